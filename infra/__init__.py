@@ -1,0 +1,1 @@
+"""Everything that owns a connection: configuration, logging, the bus, the database, HTTP plumbing."""

@@ -1,0 +1,1 @@
+"""The message bus: one contract (:mod:`infra.bus.base`), two backends (memory, RabbitMQ)."""

@@ -1,0 +1,265 @@
+"""The bus contract: what every actor may rely on, whichever backend runs underneath.
+
+Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, on both backends):
+
+* Exchanges are topic exchanges. Routing keys are dot-separated words; binding patterns use ``*``
+  (exactly one word) and ``#`` (zero or more words).
+* :meth:`Bus.publish` returns only once the broker has confirmed the message (publisher confirms).
+  While the connection is down it waits for the reconnect and publishes again, up to ``timeout``;
+  then it raises :class:`BusUnavailable`. A message confirmed once may be delivered more than once
+  (at-least-once); consumers dedupe.
+* Queues come in two kinds (:class:`QueueKind`): ``WORK`` queues are durable quorum queues shared
+  by competing consumers, with a delivery limit after which a message is dead-lettered to
+  ``tm.dead``; ``NODE`` queues belong to one process (exclusive, deleted with it), bounded in length.
+* :meth:`Bus.consume` delivers at most ``prefetch`` unsettled messages at a time to a handler.
+  Ack policy: a handler that returns normally acks (unless it settled the delivery itself); one
+  that raises :class:`ProtocolDecodeError` dead-letters the delivery with the reason; one that
+  raises anything else nacks with requeue, so the message is redelivered with ``redelivered=True``
+  and a higher ``delivery_count`` until the delivery limit dead-letters it.
+* A body that the codec cannot decode never reaches the handler: it is dead-lettered with the reason.
+* A message taken but not settled by a consumer that is cancelled, crashes or loses its connection
+  is redelivered (``redelivered=True``) to another or the same consumer.
+* Dead letters land on the topic exchange ``tm.dead`` with routing key = the queue name and header
+  ``x-tm-dead-reason``; the durable queue ``tm.dead.letters`` keeps them all, so nothing is dropped.
+* :meth:`Bus.request` publishes with a correlation id and a reply address (RabbitMQ direct
+  reply-to) and waits for :meth:`Bus.reply` up to its deadline, else raises :class:`RequestTimeout`.
+  The deadline travels in header ``x-deadline`` (Unix epoch milliseconds) so workers can skip work
+  whose requester gave up.
+* Every publish carries the current trace id (``x-trace-id``); consumers bind it while handling.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.messages import BusMessage
+
+COMMANDS_EXCHANGE = "tm.commands"
+EVENTS_EXCHANGE = "tm.events"
+DEAD_EXCHANGE = "tm.dead"
+DEAD_LETTER_QUEUE = "tm.dead.letters"
+
+DEAD_REASON_HEADER = "x-tm-dead-reason"
+DEADLINE_HEADER = "x-deadline"
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+
+#: Default delivery limit of WORK queues: a message that failed this many times is poison.
+DEFAULT_DELIVERY_LIMIT = 5
+#: NODE queues are bounded: a node that cannot keep up loses the oldest events, and its SSE
+#: clients resume from their last sequence through the database.
+DEFAULT_NODE_QUEUE_MAX_LENGTH = 10_000
+
+HeaderValue = str | int | float | bool | None
+Headers = Mapping[str, HeaderValue]
+
+
+class QueueKind(enum.Enum):
+    """How a queue lives. See the module docstring."""
+
+    WORK = "work"
+    NODE = "node"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSpec:
+    """A queue to declare.
+
+    Args:
+        name: queue name; WORK queues must be named, NODE queues may pass "" to get a
+            broker-generated unique name (returned by :meth:`Bus.declare_queue`).
+        kind: WORK (durable quorum, dead-lettered) or NODE (exclusive to this process).
+        delivery_limit: WORK only: deliveries after which the message is dead-lettered.
+        max_length: NODE only: oldest messages are dropped past this length.
+    """
+
+    name: str
+    kind: QueueKind = QueueKind.WORK
+    delivery_limit: int = DEFAULT_DELIVERY_LIMIT
+    max_length: int = DEFAULT_NODE_QUEUE_MAX_LENGTH
+
+
+class Delivery(abc.ABC):
+    """One message handed to a consumer, already decoded by the codec.
+
+    Settle it at most once with :meth:`ack`, :meth:`nack` or :meth:`dead_letter`; settling twice is a
+    no-op. Handlers usually leave settling to the consumer's ack policy.
+    """
+
+    message: BusMessage
+    exchange: str
+    routing_key: str
+    headers: dict[str, HeaderValue]
+    message_id: str | None
+    correlation_id: str | None
+    reply_to: str | None
+    redelivered: bool
+    #: 1 on first delivery; counts redeliveries (RabbitMQ's x-delivery-count + 1 on quorum queues).
+    delivery_count: int
+
+    def __init__(self) -> None:
+        self.settled = False
+
+    @property
+    def trace_id(self) -> str | None:
+        value = self.headers.get("x-trace-id")
+        return str(value) if value is not None else None
+
+    @property
+    def deadline(self) -> float | None:
+        """The requester's deadline as a Unix timestamp in seconds, if the message carries one."""
+        value = self.headers.get(DEADLINE_HEADER)
+        if value is None:
+            return None
+        try:
+            return float(value) / 1000.0
+        except (TypeError, ValueError):
+            return None
+
+    def expired(self, now: float | None = None) -> bool:
+        """True when the requester's deadline has passed (its answer would go unread)."""
+        deadline = self.deadline
+        return deadline is not None and (now if now is not None else time.time()) > deadline
+
+    @abc.abstractmethod
+    async def ack(self) -> None:
+        """The effect is durable: forget the message."""
+
+    @abc.abstractmethod
+    async def nack(self, requeue: bool = True) -> None:
+        """Give the message back (requeue=True) or dead-letter it without our reason (False)."""
+
+    @abc.abstractmethod
+    async def dead_letter(self, reason: str) -> None:
+        """Poison: publish it to ``tm.dead`` with ``reason`` (confirmed), then settle it."""
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+class Consumer(abc.ABC):
+    """A running subscription. Stop it in two phases: :meth:`cancel`, then :meth:`drain`."""
+
+    @abc.abstractmethod
+    async def cancel(self) -> None:
+        """Stop taking new deliveries. Idempotent."""
+
+    @abc.abstractmethod
+    async def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for in-flight handlers; cancel and requeue what is left.
+
+        Returns True when everything finished on its own. Implies :meth:`cancel`.
+        """
+
+    @property
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Handlers running right now."""
+
+
+@dataclass(slots=True)
+class BusStats:
+    """Counters for /metrics and /readyz."""
+
+    connected: bool = False
+    reconnects: int = 0
+    published: int = 0
+    delivered: int = 0
+    acked: int = 0
+    nacked: int = 0
+    dead_lettered: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Bus(abc.ABC):
+    """The contract both backends implement."""
+
+    #: "memory" or "rabbitmq"
+    backend: str = ""
+
+    def __init__(self) -> None:
+        self.stats = BusStats()
+
+    async def __aenter__(self) -> "Bus":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Connect; the first connect fails fast with :class:`BusUnavailable` and a clear message.
+
+        Also declares the fixed topology: ``tm.commands``, ``tm.events``, ``tm.dead`` and the
+        ``tm.dead.letters`` queue bound to ``#`` on ``tm.dead``.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Cancel consumers, fail pending requests, close connections. Idempotent."""
+
+    @abc.abstractmethod
+    async def declare_exchange(self, name: str) -> None:
+        """Declare a durable topic exchange (idempotent)."""
+
+    @abc.abstractmethod
+    async def declare_queue(self, spec: QueueSpec) -> str:
+        """Declare a queue (idempotent for WORK queues) and return its name."""
+
+    @abc.abstractmethod
+    async def bind(self, queue: str, exchange: str, pattern: str) -> None:
+        """Route messages whose routing key matches ``pattern`` on ``exchange`` into ``queue``."""
+
+    @abc.abstractmethod
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: BusMessage,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        mandatory: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        """Encode and publish; return once confirmed. ``mandatory`` raises Unroutable if no queue matched."""
+
+    @abc.abstractmethod
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
+        """Start delivering messages from ``queue`` to ``handler`` (see the ack policy above)."""
+
+    @abc.abstractmethod
+    async def request(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: BusMessage,
+        *,
+        timeout: float,
+        headers: Headers | None = None,
+    ) -> Delivery:
+        """Publish (mandatory) with a reply address and wait for the reply, at most ``timeout`` seconds.
+
+        Raises RequestTimeout (outcome unknown), Unroutable (nobody listens), BusUnavailable.
+        The returned reply delivery needs no settling.
+        """
+
+    @abc.abstractmethod
+    async def reply(self, request: Delivery, message: BusMessage, *, headers: Headers | None = None) -> None:
+        """Answer a delivery that came from :meth:`request`. A no-op if it has no reply address."""
+
+    @abc.abstractmethod
+    async def check(self) -> None:
+        """Raise BusUnavailable unless the broker answers right now (for /readyz and doctor)."""
+
+
+def deadline_header(timeout: float) -> dict[str, HeaderValue]:
+    """The ``x-deadline`` header for a request that waits ``timeout`` seconds from now."""
+    return {DEADLINE_HEADER: int((time.time() + timeout) * 1000)}
+

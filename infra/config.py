@@ -1,0 +1,192 @@
+"""One typed settings object, built once from ``TOASTMACHINE_*`` variables at process start.
+
+An invalid value stops the process with a :class:`ConfigError` naming the variable; nothing falls
+back silently. Every field is documented in the README's configuration table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from protocol.errors import ConfigError
+
+PREFIX = "TOASTMACHINE_"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Process configuration. Build it with :meth:`from_env`."""
+
+    #: PostgreSQL DSN; None means embedded PostgreSQL (pgserver) under ``data_dir``.
+    database_url: str | None = None
+    #: RabbitMQ URL; None means the in-process bus (allowed for ``toastmachine up`` only).
+    amqp_url: str | None = None
+    #: Where the embedded database and other local state live.
+    data_dir: Path = Path("data")
+    #: Address the web front binds to.
+    host: str = "127.0.0.1"
+    #: Port the web front binds to (0 picks a free one).
+    port: int = 8080
+    #: Public base URL used in links; defaults to http://host:port.
+    public_url: str | None = None
+    #: Corpus identity; when unset, taken from the witness row or generated once and persisted.
+    corpus_id: uuid.UUID | None = None
+    #: History lineage; same rules as corpus_id.
+    lineage: uuid.UUID | None = None
+    #: Archive object store: a directory path or file:// / s3:// URL (used by the archiver).
+    archive_url: str | None = None
+    #: "console" (human) or "json" (production).
+    log_format: str = "console"
+    #: Root log level.
+    log_level: str = "info"
+    #: Registrations per client address per minute.
+    register_per_minute: int = 20
+    #: Sustained writes per agent per second (bursts of twice that).
+    writes_per_second: float = 10.0
+    #: Seconds the ingress waits for the writer's reply before answering 504.
+    command_timeout: float = 10.0
+    #: Seconds a stopping process lets in-flight work finish before cancelling it.
+    shutdown_grace: float = 10.0
+    #: Unsettled deliveries per consumer.
+    prefetch: int = 64
+    #: Size of the asyncpg pool per process.
+    db_pool_size: int = 10
+    #: This process's name in logs, pong replies and per-node queues.
+    node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    @property
+    def base_url(self) -> str:
+        """The public base URL without a trailing slash."""
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+        """Parse ``TOASTMACHINE_*`` variables; raise ConfigError naming the first bad one."""
+        env = os.environ if env is None else env
+        d = cls()
+
+        def get(name: str, parse: Callable[[str, str], T], default: T) -> T:
+            var = PREFIX + name
+            raw = env.get(var)
+            if raw is None or raw.strip() == "":
+                return default
+            return parse(var, raw.strip())
+
+        known = {PREFIX + f.name.upper() for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known and k not in _IGNORED)
+        if unknown:
+            raise ConfigError(f"{unknown[0]} is not a ToastMachine setting (see the README's configuration table)")
+
+        return cls(
+            database_url=get("DATABASE_URL", _url("postgres", "postgresql"), None),
+            amqp_url=get("AMQP_URL", _url("amqp", "amqps"), None),
+            data_dir=get("DATA_DIR", lambda _v, raw: Path(raw).expanduser(), d.data_dir),
+            host=get("HOST", lambda _v, raw: raw, d.host),
+            port=get("PORT", _int(0, 65535), d.port),
+            public_url=get("PUBLIC_URL", _url("http", "https"), None),
+            corpus_id=get("CORPUS_ID", _uuid, None),
+            lineage=get("LINEAGE", _uuid, None),
+            archive_url=get("ARCHIVE_URL", lambda _v, raw: raw, None),
+            log_format=get("LOG_FORMAT", _choice("console", "json"), d.log_format),
+            log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
+            register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),
+            writes_per_second=get("WRITES_PER_SECOND", _float(0.001, 1_000_000), d.writes_per_second),
+            command_timeout=get("COMMAND_TIMEOUT", _float(0.1, 600), d.command_timeout),
+            shutdown_grace=get("SHUTDOWN_GRACE", _float(0, 600), d.shutdown_grace),
+            prefetch=get("PREFETCH", _int(1, 10_000), d.prefetch),
+            db_pool_size=get("DB_POOL_SIZE", _int(1, 1000), d.db_pool_size),
+            node_id=get("NODE_ID", _node_id, d.node_id),
+        )
+
+    def redacted(self) -> dict[str, str]:
+        """Settings as strings with passwords in URLs masked, for `doctor` and start-up logs."""
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            text = "" if value is None else str(value)
+            if f.name.endswith("_url") and value:
+                text = redact_url(text)
+            out[f.name] = text
+        return out
+
+
+# Variables with our prefix that are read by the test suite or CI, not by a node.
+_IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_REQUIRE_SERVICES"}
+
+
+def redact_url(url: str) -> str:
+    """Replace the password of a URL with ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _url(*schemes: str) -> Callable[[str, str], str]:
+    def parse(var: str, raw: str) -> str:
+        try:
+            parts = urlsplit(raw)
+        except ValueError as e:
+            raise ConfigError(f"{var} is not a valid URL: {e}") from None
+        if parts.scheme not in schemes:
+            raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
+        return raw
+    return parse
+
+
+def _int(lo: int, hi: int) -> Callable[[str, str], int]:
+    def parse(var: str, raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{var} must be an integer, got {raw!r}") from None
+        if not lo <= value <= hi:
+            raise ConfigError(f"{var} must be between {lo} and {hi}, got {value}")
+        return value
+    return parse
+
+
+def _float(lo: float, hi: float) -> Callable[[str, str], float]:
+    def parse(var: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{var} must be a number, got {raw!r}") from None
+        if not lo <= value <= hi:
+            raise ConfigError(f"{var} must be between {lo} and {hi}, got {value}")
+        return value
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(var: str, raw: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise ConfigError(f"{var} must be one of {', '.join(choices)}, got {raw!r}")
+        return value
+    return parse
+
+
+def _uuid(var: str, raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise ConfigError(f"{var} must be a UUID, got {raw!r}") from None
+
+
+def _node_id(var: str, raw: str) -> str:
+    if len(raw) > 64 or not all(c.isalnum() or c in "-_." for c in raw):
+        raise ConfigError(f"{var} must be 1-64 letters, digits, '-', '_' or '.', got {raw!r}")
+    return raw

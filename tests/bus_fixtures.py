@@ -1,0 +1,1 @@
+"""Bus fixtures (filled in by the bus work)."""

@@ -1,0 +1,35 @@
+"""Shared fixtures. Service detection lives in tests/services.py; fixture families in their own modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests import services
+from tests.bus_fixtures import *  # noqa: F401,F403
+from tests.db_fixtures import *  # noqa: F401,F403
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> str:
+    """URL of the real RabbitMQ; skips (locally) or fails (CI) when it is unreachable."""
+    return services.require("rabbitmq")
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """DSN of the real PostgreSQL server; skips (locally) or fails (CI) when it is unreachable."""
+    return services.require("postgres")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not services.SKIPPED:
+        return
+    tr = terminalreporter
+    tr.write_sep("!", "REAL SERVICES SKIPPED", red=True, bold=True)
+    for name, why in sorted(services.SKIPPED.items()):
+        tr.write_line(f"  {name}: {why}", red=True, bold=True)
+    tr.write_line("  Only the embedded database and in-process bus were tested. "
+                  "Start the services (see README) or set TOASTMACHINE_REQUIRE_SERVICES=1 to make this fatal.",
+                  red=True)
