@@ -1,0 +1,81 @@
+"""Operational routes: liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from infra.http import json_response
+from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from protocol.errors import ServiceUnavailable
+
+from actors.web.context import NODE
+
+#: Each dependency check gets this long before it counts as down.
+CHECK_TIMEOUT = 2.0
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process is up and its event loop answers."""
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: database and bus reachable, corpus identity valid, local actors running."""
+    node = request.app[NODE]
+    checks: dict[str, Any] = {}
+    ok = True
+
+    async def probe(name: str, check: Any) -> None:
+        nonlocal ok
+        try:
+            async with asyncio.timeout(CHECK_TIMEOUT):
+                await check()
+            checks[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - any failure means "not ready"; the text is ours
+            ok = False
+            checks[name] = _public_reason(e)
+
+    await asyncio.gather(probe("database", node.db.check), probe("bus", node.bus.check))
+    if node.identity_error is not None:
+        ok = False
+        checks["corpus"] = "lineage_unavailable: configured corpus identity does not match the database"
+    else:
+        checks["corpus"] = "ok"
+    actors = {name: h.as_dict() for name, h in node.actor_health().items()}
+    if actors:
+        checks["actors"] = actors
+        ok = ok and all(h.ok for h in node.actor_health().values())
+    if ok:
+        return json_response({"status": "ready", "checks": checks})
+    error = ServiceUnavailable("This node is not ready.",
+                               how_to_proceed="Send traffic to another node or retry shortly; see 'checks'.")
+    error.code = "not_ready"
+    body = error.envelope()
+    body["checks"] = checks
+    return json_response(body, status=503)
+
+
+def _public_reason(error: Exception) -> str:
+    if isinstance(error, TimeoutError):
+        return "unreachable: no answer within 2 s"
+    # Our own exceptions carry public, secret-free messages (URLs are redacted where they are built).
+    from protocol.errors import ToastMachineError
+
+    if isinstance(error, ToastMachineError):
+        return f"unreachable: {error}"
+    return f"unreachable: {type(error).__name__}"
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of this process."""
+    node = request.app[NODE]
+    return web.Response(body=node.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,101 @@
+"""HTTP plumbing shared by the aiohttp front-ends: JSON responses, the error envelope, trace ids.
+
+One middleware renders every error (our :class:`ApiError`, aiohttp's own 404/405/413, and any
+unexpected exception) as SPEC §3's envelope ``{"error": {code, message, how_to_proceed}}``. An
+unexpected exception is logged with its traceback and the trace id, and answered with fixed public
+text: no stack trace, SQL message or secret ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from infra.logs import bound_trace, get_logger
+from infra.metrics import Metrics
+from protocol.errors import (
+    ApiError,
+    DatabaseUnavailable,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+)
+from protocol.errors import BusUnavailable
+
+log = get_logger("toastmachine.http")
+
+TRACE_RESPONSE_HEADER = "X-Trace-Id"
+_TRACE_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+
+
+def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with orjson."""
+    return web.Response(body=orjson.dumps(data), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def error_response(error: ApiError) -> web.Response:
+    """Render an ApiError as the public envelope with its status and headers."""
+    return json_response(error.envelope(), status=error.status, headers=error.headers)
+
+
+def _from_http_exception(exc: web.HTTPException) -> ApiError:
+    """Map aiohttp's own errors (router 404/405, body too large...) onto our envelope."""
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFound()
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        return MethodNotAllowed(headers={"Allow": ", ".join(sorted(exc.allowed_methods))})
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge()
+    return ApiError(exc.reason or "HTTP error", status=exc.status,
+                    code=(exc.reason or "http_error").lower().replace(" ", "_"),
+                    how_to_proceed="Check the request against GET /openapi.json.")
+
+
+def make_middleware(metrics: Metrics | None = None) -> Any:
+    """The one middleware: binds a trace id, renders errors, records request metrics."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        incoming = request.headers.get(TRACE_RESPONSE_HEADER, "")
+        started = time.perf_counter()
+        with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
+                         method=request.method, path=request.path) as trace_id:
+            try:
+                response = await handler(request)
+            except ApiError as e:
+                response = error_response(e)
+            except web.HTTPException as e:
+                if e.status < 400:  # redirects and the like are not errors
+                    raise
+                response = error_response(_from_http_exception(e))
+            except DatabaseUnavailable:
+                log.warning("http.database_unavailable")
+                response = error_response(ServiceUnavailable(
+                    "The database is unavailable.",
+                    how_to_proceed="Retry in a few seconds; nothing was changed by this request."))
+            except BusUnavailable:
+                log.warning("http.bus_unavailable")
+                response = error_response(ServiceUnavailable(
+                    "The message bus is unavailable.",
+                    how_to_proceed="Retry in a few seconds; nothing was changed by this request."))
+            except Exception:
+                log.exception("http.unhandled_error")
+                response = error_response(InternalError())
+            if not response.prepared:
+                response.headers[TRACE_RESPONSE_HEADER] = trace_id
+            if metrics is not None:
+                info = request.match_info.route.resource
+                route = info.canonical if info is not None else "unmatched"
+                metrics.requests.labels(request.method, route, str(response.status)).inc()
+                metrics.latency.labels(request.method, route).observe(time.perf_counter() - started)
+            return response
+
+    return middleware

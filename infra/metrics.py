@@ -1,0 +1,75 @@
+"""Prometheus metrics of one process, in a registry of its own (no global state between apps/tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from infra.runtime import ActorHealth, ActorState
+from infra.bus.base import Bus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    """HTTP request counters and latencies, plus live bus and actor gauges read at scrape time.
+
+    Args:
+        bus: read for connection state and message counters (None until connected).
+        actors: callable returning the current per-actor health of this process.
+    """
+
+    def __init__(self, bus: Callable[[], Bus | None], actors: Callable[[], Mapping[str, ActorHealth]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "toastmachine_http_requests", "HTTP requests answered, by route and status.",
+            ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram(
+            "toastmachine_http_request_duration_seconds", "HTTP request latency, by route.",
+            ["method", "route"], registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.registry.register(_LiveCollector(bus, actors))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, bus: Callable[[], Bus | None], actors: Callable[[], Mapping[str, ActorHealth]]) -> None:
+        self._bus = bus
+        self._actors = actors
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        bus = self._bus()
+        if bus is not None:
+            s = bus.stats
+            up = GaugeMetricFamily("toastmachine_bus_connected", "1 while the bus connection is open.",
+                                   labels=["backend"])
+            up.add_metric([bus.backend], 1.0 if s.connected else 0.0)
+            yield up
+            counters = CounterMetricFamily("toastmachine_bus_messages", "Bus messages by outcome.",
+                                           labels=["backend", "outcome"])
+            for outcome in ("published", "delivered", "acked", "nacked", "dead_lettered"):
+                counters.add_metric([bus.backend, outcome], float(getattr(s, outcome)))
+            yield counters
+            reconnects = CounterMetricFamily("toastmachine_bus_reconnects", "Bus reconnections.",
+                                             labels=["backend"])
+            reconnects.add_metric([bus.backend], float(s.reconnects))
+            yield reconnects
+        actors = self._actors()
+        running = GaugeMetricFamily("toastmachine_actor_running", "1 while the actor is running.",
+                                    labels=["actor"])
+        restarts = CounterMetricFamily("toastmachine_actor_restarts", "Restarts after a crash.",
+                                       labels=["actor"])
+        for name, health in sorted(actors.items()):
+            running.add_metric([name], 1.0 if health.state is ActorState.RUNNING else 0.0)
+            restarts.add_metric([name], float(health.restarts))
+        yield running
+        yield restarts

@@ -1,0 +1,300 @@
+"""Actor base classes and the supervisor that keeps them running.
+
+Life of an actor: :meth:`Actor.start` acquires what it needs and begins taking work, then its
+:meth:`Actor.run` coroutine runs until stopped. If ``run`` raises (or the actor calls :meth:`fail`),
+the actor has crashed: the :class:`Supervisor` logs why, tears it down and starts a fresh instance
+after an exponential backoff. :meth:`Actor.stop` is idempotent and goes in phases:
+
+1. stop taking work (cancel consumers),
+2. let in-flight work finish within the grace period,
+3. cancel what is left (its messages were never acked, so the bus redelivers them),
+4. close connections.
+
+Nothing acknowledged is lost by a stop, because acknowledgement happens only after the effect is
+durable; work that is cut off in phase 3 is simply delivered again.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from infra.bus.base import Bus, Consumer, Delivery, QueueSpec
+from infra.logs import get_logger
+
+log = get_logger("toastmachine.runtime")
+
+
+class ActorState(enum.Enum):
+    """What the supervisor last saw of an actor."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    BACKOFF = "backoff"  # crashed; waiting to restart
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(slots=True)
+class ActorHealth:
+    """Per-actor health, rendered by /readyz and exported to /metrics."""
+
+    name: str
+    state: ActorState = ActorState.STARTING
+    restarts: int = 0
+    last_error: str | None = None
+    since: float = field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.state is ActorState.RUNNING
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state.value, "restarts": self.restarts}
+        if self.last_error:
+            out["last_error"] = self.last_error
+        return out
+
+
+class Actor(abc.ABC):
+    """A long-running unit of work. Subclasses override :meth:`setup`, :meth:`run`, :meth:`close`."""
+
+    #: The name used by ``toastmachine run NAME``, logs and metrics.
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.log = get_logger(f"toastmachine.actors.{self.name}", actor=self.name)
+        self._main: asyncio.Task[None] | None = None
+        self._crashed: asyncio.Future[BaseException] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+        self._stop_requested = asyncio.Event()
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Acquire resources and start taking work. Raising here counts as a crash."""
+
+    async def run(self) -> None:
+        """The actor's main loop. The default just waits until the actor is stopped."""
+        await self._stop_requested.wait()
+
+    async def stop_intake(self) -> None:
+        """Phase 1 of stop: take no new work."""
+
+    async def drain(self, grace: float) -> None:
+        """Phase 2 of stop: let in-flight work finish, at most ``grace`` seconds."""
+
+    async def close(self) -> None:
+        """Phase 4 of stop: release what :meth:`setup` acquired. Must tolerate a partial setup."""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run :meth:`setup`, then start :meth:`run` in a task this actor owns."""
+        loop = asyncio.get_running_loop()
+        self._crashed = loop.create_future()
+        await self.setup()
+        self._main = asyncio.create_task(self._run_main(), name=f"actor:{self.name}")
+
+    async def _run_main(self) -> None:
+        try:
+            await self.run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a crash of any kind is reported to the supervisor
+            self.fail(e)
+
+    def fail(self, error: BaseException) -> None:
+        """Report a crash from anywhere inside the actor (e.g. a consumer that lost its channel)."""
+        if self._crashed is not None and not self._crashed.done():
+            self._crashed.set_result(error)
+
+    async def crashed(self) -> BaseException:
+        """Wait until the actor crashes; return the error."""
+        assert self._crashed is not None, "start() first"
+        return await asyncio.shield(self._crashed)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop in phases (see module docstring). Idempotent: concurrent and repeated calls share one stop."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(grace), name=f"actor-stop:{self.name}")
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
+        self._stop_requested.set()
+        try:
+            await self.stop_intake()
+            await self.drain(grace)
+        except Exception as e:  # noqa: BLE001 - stopping must reach close() whatever happened
+            self.log.warning("actor.stop_phase_failed", error=repr(e))
+        finally:
+            if self._main is not None and not self._main.done():
+                # run() should return once _stop_requested is set; give it the same grace, then cut it off.
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._main), timeout=max(grace, 0.1))
+                except (TimeoutError, asyncio.CancelledError):
+                    pass
+                if not self._main.done():
+                    self._main.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await self._main
+            await self.close()
+
+
+Handler = Callable[[Delivery], Any]
+
+
+class ConsumerActor(Actor):
+    """An actor that consumes one queue: declare, bind, consume with prefetch, drain on stop.
+
+    Subclasses set :attr:`queue` and :attr:`bindings` and implement :meth:`handle`. Ack policy is
+    the bus's (see :mod:`infra.bus.base`): return → ack; ProtocolDecodeError → dead-letter;
+    any other exception → requeue (until the delivery limit dead-letters it).
+    """
+
+    #: The queue to declare and consume.
+    queue: QueueSpec
+    #: (exchange, pattern) pairs binding the queue.
+    bindings: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, bus: Bus, *, prefetch: int = 64) -> None:
+        super().__init__()
+        self.bus = bus
+        self.prefetch = prefetch
+        self._consumer: Consumer | None = None
+        self.queue_name = ""
+
+    async def setup(self) -> None:
+        self.queue_name = await self.bus.declare_queue(self.queue)
+        for exchange, pattern in self.bindings:
+            await self.bus.bind(self.queue_name, exchange, pattern)
+        self._consumer = await self.bus.consume(self.queue_name, self.handle, prefetch=self.prefetch)
+        self.log.info("actor.consuming", queue=self.queue_name, prefetch=self.prefetch)
+
+    @abc.abstractmethod
+    async def handle(self, delivery: Delivery) -> None:
+        """Process one delivery. Return only once its effect is durable."""
+
+    async def stop_intake(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.cancel()
+
+    async def drain(self, grace: float) -> None:
+        if self._consumer is not None:
+            finished = await self._consumer.drain(grace)
+            if not finished:
+                self.log.warning("actor.drain_cut_off", grace=grace,
+                                 detail="unfinished deliveries were requeued, not lost")
+
+    @property
+    def in_flight(self) -> int:
+        return self._consumer.in_flight if self._consumer is not None else 0
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Exponential restart delay: ``initial`` doubling up to ``maximum``; reset after a stable run."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    stable_after: float = 60.0
+
+
+class Supervisor:
+    """Starts actors, restarts any that crash (with backoff, logging why), stops them all in order.
+
+    Args:
+        factories: actor name → zero-argument callable building a fresh actor instance.
+        backoff: restart delays.
+    """
+
+    def __init__(self, factories: dict[str, Callable[[], Actor]], backoff: Backoff | None = None) -> None:
+        self.factories = dict(factories)
+        self.backoff = backoff or Backoff()
+        self.health: dict[str, ActorHealth] = {name: ActorHealth(name) for name in self.factories}
+        self.actors: dict[str, Actor] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        # One stop signal per actor, so stop() can stop them one by one in reverse start order.
+        self._stopping: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.factories}
+        self._started: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.factories}
+        self._grace = 10.0
+
+    async def start(self, wait: float | None = 30.0) -> None:
+        """Start one supervision task per actor; wait up to ``wait`` s for each first successful start."""
+        for name in self.factories:
+            self._tasks[name] = asyncio.create_task(self._supervise(name), name=f"supervise:{name}")
+        if wait:
+            async with asyncio.timeout(wait):
+                await asyncio.gather(*(e.wait() for e in self._started.values()))
+
+    @property
+    def ready(self) -> bool:
+        return all(h.ok for h in self.health.values())
+
+    async def _supervise(self, name: str) -> None:
+        health = self.health[name]
+        stopping = self._stopping[name]
+        delay = self.backoff.initial
+        while not stopping.is_set():
+            actor = self.factories[name]()
+            self.actors[name] = actor
+            health.state = ActorState.STARTING
+            started_at = time.monotonic()
+            try:
+                await actor.start()
+                health.state, health.since = ActorState.RUNNING, time.time()
+                self._started[name].set()
+                log.info("actor.started", actor=name, restarts=health.restarts)
+                crashed = asyncio.ensure_future(actor.crashed())
+                stop_wait = asyncio.ensure_future(stopping.wait())
+                try:
+                    await asyncio.wait({crashed, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for f in (crashed, stop_wait):
+                        f.cancel()
+                if stopping.is_set():
+                    break
+                error: BaseException = crashed.result()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a failed start is a crash like any other
+                error = e
+            health.restarts += 1
+            health.last_error = f"{type(error).__name__}: {error}"
+            health.state, health.since = ActorState.BACKOFF, time.time()
+            if time.monotonic() - started_at > self.backoff.stable_after:
+                delay = self.backoff.initial
+            log.error("actor.crashed", actor=name, error=health.last_error, restart_in=round(delay, 2),
+                      exc_info=error)
+            with contextlib.suppress(Exception):
+                await actor.stop(grace=0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await stopping.wait()
+            delay = min(delay * 2, self.backoff.maximum)
+        health.state = ActorState.STOPPING
+        await self.actors[name].stop(self._grace)
+        health.state = ActorState.STOPPED
+        log.info("actor.stopped", actor=name)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop every actor in phases, one at a time in reverse start order. Idempotent.
+
+        Reverse order matters: the web front is registered last, so it stops first and its
+        in-flight requests can still get their replies from the writer before the writer stops.
+        """
+        self._grace = grace
+        for name in reversed(list(self._tasks)):
+            self._stopping[name].set()
+            try:
+                await self._tasks[name]
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - keep stopping the others
+                log.error("actor.stop_failed", actor=name, error=repr(e))

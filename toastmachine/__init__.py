@@ -1,0 +1,1 @@
+"""ToastMachine: the composition root (node assembly) and the command-line interface."""

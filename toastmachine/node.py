@@ -1,0 +1,190 @@
+"""Assembling a node: configuration → database → bus → actors → web front, and taking it down again.
+
+One natural path for every process type: ``open_node`` connects what the process needs (starting an
+embedded PostgreSQL when no DATABASE_URL is set, migrating, checking the corpus identity), and
+``serve`` runs a set of actors under a supervisor until SIGTERM / SIGINT, then shuts down in order
+within a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+
+from actors.registry import ACTORS
+from actors.web.app import WebFront
+from infra.bus import make_bus
+from infra.bus.base import Bus
+from infra.config import Settings, redact_url
+from infra.db import CorpusIdentity, Database, EmbeddedPostgres, apply_migrations, ensure_identity, start_embedded
+from infra.logs import get_logger
+from infra.metrics import Metrics
+from infra.runtime import Actor, ActorHealth, Supervisor
+from protocol.errors import ConfigError, LineageMismatch
+
+log = get_logger("toastmachine.node")
+
+#: Extra seconds past the grace period before shutdown gives up waiting.
+HARD_DEADLINE_MARGIN = 5.0
+
+
+@dataclass(slots=True)
+class Node:
+    """Everything one process holds: settings, connections, identity, metrics and its actors."""
+
+    settings: Settings
+    db: Database
+    bus: Bus
+    identity: CorpusIdentity | None
+    identity_error: LineageMismatch | None
+    database_label: str
+    embedded: EmbeddedPostgres | None = None
+    supervisor: Supervisor | None = None
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(lambda: self.bus, self.actor_health)
+
+    def actor_health(self) -> Mapping[str, ActorHealth]:
+        return self.supervisor.health if self.supervisor is not None else {}
+
+    @property
+    def bus_label(self) -> str:
+        return "in-process" if self.settings.amqp_url is None else redact_url(self.settings.amqp_url)
+
+
+@contextlib.asynccontextmanager
+async def open_database(settings: Settings) -> AsyncIterator[tuple[Database, EmbeddedPostgres | None, str]]:
+    """Connect to DATABASE_URL, or start the embedded PostgreSQL under DATA_DIR; migrate; yield."""
+    embedded: EmbeddedPostgres | None = None
+    if settings.database_url is None:
+        embedded = await start_embedded(settings.data_dir)
+        dsn, label = embedded.dsn, f"embedded PostgreSQL in {embedded.data_dir}"
+    else:
+        dsn, label = settings.database_url, redact_url(settings.database_url)
+    try:
+        db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size)
+        try:
+            applied = await apply_migrations(db)
+            if applied:
+                log.info("db.migrated", applied=applied)
+            yield db, embedded, label
+        finally:
+            await db.close()
+    finally:
+        if embedded is not None:
+            await embedded.stop()
+
+
+@contextlib.asynccontextmanager
+async def open_node(settings: Settings, *, allow_memory_bus: bool) -> AsyncIterator[Node]:
+    """Connect the database and the bus for one process and check the corpus identity.
+
+    Raises ConfigError when no AMQP_URL is set and the in-process bus is not allowed here,
+    DatabaseUnavailable / BusUnavailable when a service cannot be reached at start.
+    """
+    if settings.amqp_url is None and not allow_memory_bus:
+        raise ConfigError(
+            "TOASTMACHINE_AMQP_URL is not set: processes of a multi-process node talk over RabbitMQ. "
+            "Set it (e.g. amqp://guest:guest@127.0.0.1:5672/), or run everything in one process with "
+            "'toastmachine up', which uses the in-process bus.")
+    async with open_database(settings) as (db, embedded, label):
+        identity: CorpusIdentity | None = None
+        identity_error: LineageMismatch | None = None
+        try:
+            identity = await ensure_identity(db, settings.corpus_id, settings.lineage)
+        except LineageMismatch as e:
+            # Reads still work; writes and sync answer 503 lineage_unavailable until the operator acts.
+            identity_error = e
+            log.error("corpus.identity_mismatch", detail=str(e))
+        bus = make_bus(settings.amqp_url)
+        await bus.connect()
+        try:
+            yield Node(settings=settings, db=db, bus=bus, identity=identity, identity_error=identity_error,
+                       database_label=label, embedded=embedded)
+        finally:
+            await bus.close()
+
+
+def actor_factories(node: Node, names: list[str], *, web: bool) -> dict[str, Callable[[], Actor]]:
+    """Factories for the named back-end actors, plus the web front last (so it stops first)."""
+    factories: dict[str, Callable[[], Actor]] = {}
+    for name in names:
+        build = ACTORS[name]
+        factories[name] = lambda build=build: build(node)  # type: ignore[misc]
+    if web:
+        factories["web"] = lambda: WebFront(node, host=node.settings.host, port=node.settings.port)
+    return factories
+
+
+async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
+                announce: Callable[[str], None] | None = None) -> int:
+    """Run ``actors`` (and the web front) until SIGTERM/SIGINT; return the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal(signame: str) -> None:
+        if stop.is_set():
+            # A second signal means "now": skip the graceful shutdown.
+            log.warning("node.forced_exit", signal=signame)
+            sys.stderr.flush()
+            import os
+
+            os._exit(130)
+        log.info("node.stopping", signal=signame)
+        stop.set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    try:
+        async with open_node(settings, allow_memory_bus=allow_memory_bus) as node:
+            supervisor = Supervisor(actor_factories(node, actors, web=web))
+            node.supervisor = supervisor
+            start = asyncio.create_task(supervisor.start(wait=60))
+            stop_wait = asyncio.create_task(stop.wait())
+            await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if start.done() and start.exception() is None:
+                _announce(node, supervisor, announce)
+                await stop_wait
+            elif start.done():
+                not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
+                log.error("node.start_failed", actors=not_started)
+                stop.set()
+            start.cancel()
+            stop_wait.cancel()
+            grace = settings.shutdown_grace
+            try:
+                async with asyncio.timeout(grace * 2 + HARD_DEADLINE_MARGIN):
+                    await supervisor.stop(grace)
+            except TimeoutError:
+                log.error("node.shutdown_deadline_exceeded",
+                          detail="unfinished work was not acknowledged and will be redelivered")
+                return 1
+        log.info("node.stopped")
+        return 0
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _announce(node: Node, supervisor: Supervisor, announce: Callable[[str], None] | None) -> None:
+    parts = [f"database: {node.database_label}", f"bus: {node.bus_label}"]
+    if node.identity is not None:
+        parts.append(f"corpus: {node.identity.corpus_id} lineage {node.identity.lineage}")
+    web = supervisor.actors.get("web")
+    actors = ", ".join(n for n in supervisor.actors if n != "web")
+    if isinstance(web, WebFront):
+        line = f"ToastMachine listening on http://{node.settings.host}:{web.bound_port}"
+    else:
+        line = f"ToastMachine running {actors}"
+    if actors and isinstance(web, WebFront):
+        line += f" with {actors}"
+    message = line + " (" + "; ".join(parts) + ")"
+    log.info("node.ready", detail=message)
+    if announce is not None:
+        announce(message)
