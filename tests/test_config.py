@@ -1,0 +1,84 @@
+"""Configuration: every variable parses, every bad value is refused with its name, nothing falls back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from infra.config import Settings, redact_url
+from protocol.errors import ConfigError
+
+
+def test_defaults_without_environment() -> None:
+    s = Settings.from_env({})
+    assert s.database_url is None and s.amqp_url is None
+    assert s.port == 8080 and s.host == "127.0.0.1"
+    assert s.register_per_minute == 20 and s.writes_per_second == 10.0
+    assert s.base_url == "http://127.0.0.1:8080"
+
+
+def test_every_variable_is_read() -> None:
+    cid, lin = uuid.uuid4(), uuid.uuid4()
+    s = Settings.from_env({
+        "TOASTMACHINE_DATABASE_URL": "postgresql://u:p@db:5432/tm",
+        "TOASTMACHINE_AMQP_URL": "amqp://guest:guest@mq:5672/",
+        "TOASTMACHINE_DATA_DIR": "/tmp/tm-data",
+        "TOASTMACHINE_HOST": "0.0.0.0",
+        "TOASTMACHINE_PORT": "9000",
+        "TOASTMACHINE_PUBLIC_URL": "https://toast.example/",
+        "TOASTMACHINE_CORPUS_ID": str(cid),
+        "TOASTMACHINE_LINEAGE": str(lin),
+        "TOASTMACHINE_LOG_FORMAT": "JSON",
+        "TOASTMACHINE_REGISTER_PER_MINUTE": "5",
+        "TOASTMACHINE_WRITES_PER_SECOND": "2.5",
+        "TOASTMACHINE_NODE_ID": "web-1",
+    })
+    assert s.port == 9000 and s.host == "0.0.0.0"
+    assert s.data_dir == Path("/tmp/tm-data")
+    assert s.corpus_id == cid and s.lineage == lin
+    assert s.log_format == "json"
+    assert s.base_url == "https://toast.example"
+    assert s.register_per_minute == 5 and s.writes_per_second == 2.5
+    assert s.node_id == "web-1"
+
+
+@pytest.mark.parametrize(("var", "value", "needle"), [
+    ("TOASTMACHINE_PORT", "eighty", "must be an integer"),
+    ("TOASTMACHINE_PORT", "70000", "between 0 and 65535"),
+    ("TOASTMACHINE_CORPUS_ID", "not-a-uuid", "must be a UUID"),
+    ("TOASTMACHINE_LINEAGE", "123", "must be a UUID"),
+    ("TOASTMACHINE_AMQP_URL", "http://rabbit/", "scheme amqp or amqps"),
+    ("TOASTMACHINE_DATABASE_URL", "mysql://x/y", "scheme postgres or postgresql"),
+    ("TOASTMACHINE_LOG_FORMAT", "xml", "one of console, json"),
+    ("TOASTMACHINE_WRITES_PER_SECOND", "0", "between"),
+    ("TOASTMACHINE_WRITES_PER_SECOND", "fast", "must be a number"),
+    ("TOASTMACHINE_REGISTER_PER_MINUTE", "-1", "between"),
+    ("TOASTMACHINE_NODE_ID", "has space", "letters, digits"),
+    ("TOASTMACHINE_PORTT", "80", "is not a ToastMachine setting"),
+])
+def test_bad_value_names_the_variable(var: str, value: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({var: value})
+    assert var in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_redaction_hides_passwords() -> None:
+    assert redact_url("amqp://guest:s3cret@mq:5672/") == "amqp://guest:***@mq:5672/"
+    s = Settings.from_env({"TOASTMACHINE_DATABASE_URL": "postgresql://tm:hunter2@db/tm"})
+    assert "hunter2" not in str(s.redacted())
+
+
+def test_cli_stops_with_the_variable_name(tmp_path: Path) -> None:
+    """A bad value stops the process before it does anything, naming the variable."""
+    env = {"PATH": "/usr/bin:/bin", "TOASTMACHINE_PORT": "abc", "TOASTMACHINE_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "toastmachine.cli", "up"], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2
+    assert "TOASTMACHINE_PORT" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "postgres").exists()
