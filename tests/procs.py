@@ -1,0 +1,110 @@
+"""Running ``toastmachine`` as real OS processes in tests: start, wait for its start line, signal, reap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+LISTEN_RE = re.compile(r"listening on (http://\S+)")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The parent's environment minus every TOASTMACHINE_* variable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOASTMACHINE_")}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class NodeProcess:
+    """A running ``toastmachine`` process and everything it printed so far."""
+
+    proc: asyncio.subprocess.Process
+    output: list[str] = field(default_factory=list)
+    url: str | None = None
+    _reader: asyncio.Task[None] | None = None
+    _lines: asyncio.Queue[str] = field(default_factory=lambda: asyncio.Queue())
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.output.append(line)
+            await self._lines.put(line)
+
+    async def wait_for_line(self, pattern: str | re.Pattern[str], timeout: float) -> re.Match[str]:
+        """Wait for a printed line matching ``pattern``; fail with the output so far on timeout."""
+        rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+        for line in self.output:
+            if m := rx.search(line):
+                return m
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    line = await self._lines.get()
+                    if m := rx.search(line):
+                        return m
+        except TimeoutError:
+            raise AssertionError(f"no line matching {rx.pattern!r} within {timeout}s; output:\n"
+                                 + "\n".join(self.output[-60:])) from None
+
+    async def wait_listening(self, timeout: float = 60) -> str:
+        self.url = (await self.wait_for_line(LISTEN_RE, timeout)).group(1)
+        return self.url
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float = 60) -> int:
+        async with asyncio.timeout(timeout):
+            code = await self.proc.wait()
+        if self._reader is not None:
+            await self._reader
+        return code
+
+    async def stop(self, timeout: float = 60) -> int:
+        """SIGTERM and wait; SIGKILL if it does not exit in time (and fail the wait)."""
+        self.signal(signal.SIGTERM)
+        try:
+            return await self.wait(timeout)
+        except TimeoutError:
+            self.signal(signal.SIGKILL)
+            await self.proc.wait()
+            raise
+
+
+async def start(*args: str, env: Mapping[str, str], cwd: Path | None = None,
+                program: tuple[str, ...] = (sys.executable, "-m", "toastmachine.cli")) -> NodeProcess:
+    """Start ``toastmachine ARGS`` (stdout and stderr merged) and begin collecting its output."""
+    proc = await asyncio.create_subprocess_exec(
+        *program, *args, env=dict(env), cwd=str(cwd or ROOT),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True)
+    node = NodeProcess(proc)
+    node._reader = asyncio.create_task(node._read())
+    return node
+
+
+async def get_json(url: str, timeout: float = 10) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.json()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for processes that cannot report their own)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

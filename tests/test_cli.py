@@ -1,0 +1,154 @@
+"""The node as users run it: real OS processes started through the CLI, stopped with real signals."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import procs
+
+pytestmark = pytest.mark.timeout(180)
+
+CORPUS_RE = re.compile(r"corpus: (\S+) lineage (\S+)")
+
+
+async def test_up_on_embedded_defaults_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """The README's run command: embedded PostgreSQL, in-process bus, /healthz within 15 s, clean SIGTERM."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "data"), TOASTMACHINE_PORT="0")
+    node = await procs.start("up", env=env)
+    try:
+        url = await node.wait_listening(timeout=15)
+        status, body = await procs.get_json(url + "/healthz")
+        assert (status, body) == (200, {"status": "ok"})
+        status, body = await procs.get_json(url + "/readyz")
+        assert status == 200, body
+        assert body["checks"]["database"] == "ok" and body["checks"]["bus"] == "ok"
+        assert body["checks"]["actors"]["writer"]["state"] == "running"
+        first = (await node.wait_for_line(CORPUS_RE, 1)).groups()
+    finally:
+        code = await node.stop()
+    assert code == 0, "\n".join(node.output)
+    assert "Traceback" not in "\n".join(node.output)
+
+    # Data survives a restart: the same corpus identity comes back from the embedded database.
+    node = await procs.start("up", env=env)
+    try:
+        await node.wait_listening(timeout=30)
+        again = (await node.wait_for_line(CORPUS_RE, 1)).groups()
+    finally:
+        assert await node.stop() == 0
+    assert again == first
+
+
+async def test_sigint_also_stops_cleanly(tmp_path: Path) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "data"), TOASTMACHINE_PORT="0")
+    node = await procs.start("up", env=env)
+    await node.wait_listening(timeout=30)
+    node.signal(signal.SIGINT)
+    assert await node.wait() == 0
+
+
+async def test_up_on_rabbitmq_and_postgres(tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """The same node on the machine's RabbitMQ and PostgreSQL."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_AMQP_URL=rabbitmq_url, TOASTMACHINE_DATABASE_URL=database_url)
+    node = await procs.start("up", env=env)
+    try:
+        url = await node.wait_listening(timeout=30)
+        status, body = await procs.get_json(url + "/readyz")
+        assert status == 200, body
+        doctor = await procs.start("doctor", env=env)
+        assert await doctor.wait() == 0, "\n".join(doctor.output)
+        text = "\n".join(doctor.output)
+        for name in ("config", "database", "migrations", "corpus", "bus", "writer"):
+            assert re.search(rf"^{name}\s+ok\b", text, re.M), text
+    finally:
+        assert await node.stop() == 0
+    assert not (tmp_path / "postgres").exists(), "DATABASE_URL was set: no embedded server may start"
+
+
+async def test_split_processes_need_amqp_url(tmp_path: Path) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path))
+    for args in (("run", "writer"), ("web",)):
+        proc = await procs.start(*args, env=env)
+        assert await proc.wait() == 2
+        text = "\n".join(proc.output)
+        assert "TOASTMACHINE_AMQP_URL" in text and "toastmachine up" in text
+        assert "Traceback" not in text
+        assert not (tmp_path / "postgres").exists(), "refused before touching any service"
+
+
+async def test_unknown_actor_is_a_usage_error(tmp_path: Path) -> None:
+    proc = await procs.start("run", "nonesuch", env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path)))
+    assert await proc.wait() == 2
+    assert "invalid choice" in "\n".join(proc.output)
+
+
+async def test_unreachable_services_fail_fast_with_clear_messages(tmp_path: Path) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path),
+                          TOASTMACHINE_DATABASE_URL="postgresql://postgres:topsecret@127.0.0.1:1/tm")
+    proc = await procs.start("migrate", env=env)
+    assert await proc.wait(timeout=60) == 1
+    text = "\n".join(proc.output)
+    assert "DatabaseUnavailable" in text and "127.0.0.1:1" in text
+    assert "topsecret" not in text and "Traceback" not in text
+
+
+async def test_bus_unreachable_at_start(tmp_path: Path, database_url: str) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_DATABASE_URL=database_url,
+                          TOASTMACHINE_AMQP_URL="amqp://guest:hush@127.0.0.1:1/")
+    proc = await procs.start("run", "writer", env=env)
+    assert await proc.wait(timeout=60) == 1
+    text = "\n".join(proc.output)
+    assert "BusUnavailable" in text and "127.0.0.1:1" in text
+    assert "hush" not in text and "Traceback" not in text
+
+
+async def test_migrate_then_doctor(tmp_path: Path, database_url: str) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_DATABASE_URL=database_url)
+    proc = await procs.start("migrate", env=env)
+    assert await proc.wait() == 0, "\n".join(proc.output)
+    proc = await procs.start("doctor", env=env)
+    code = await proc.wait()
+    text = "\n".join(proc.output)
+    assert code == 0, text
+    assert re.search(r"^migrations\s+ok\s+schema up to date", text, re.M), text
+    assert re.search(r"^bus\s+skip\b", text, re.M), text
+
+
+async def test_doctor_reports_each_failure(tmp_path: Path, database_url: str) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_DATABASE_URL=database_url,
+                          TOASTMACHINE_AMQP_URL="amqp://guest:guest@127.0.0.1:1/")
+    proc = await procs.start("doctor", env=env)
+    assert await proc.wait() == 1
+    text = "\n".join(proc.output)
+    assert re.search(r"^database\s+ok\b", text, re.M), text
+    assert re.search(r"^bus\s+FAIL\b.*127\.0\.0\.1:1", text, re.M), text
+
+
+async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """`honcho start` runs one process per Procfile line against RabbitMQ and PostgreSQL."""
+    honcho = Path(sys.executable).with_name("honcho")
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=rabbitmq_url,
+                          TOASTMACHINE_DATABASE_URL=database_url,
+                          PATH=f"{honcho.parent}:{procs.os.environ.get('PATH', '')}")
+    port = procs.free_port()
+    group = await procs.start("start", "-p", str(port), env=env, program=(str(honcho),))
+    try:
+        await group.wait_for_line(r"writer\.1\s+\|.*ToastMachine running writer", timeout=60)
+        url = await group.wait_listening(timeout=60)
+        assert url.endswith(f":{port}")
+        status, body = await procs.get_json(url + "/readyz")
+        assert status == 200, body
+        doctor = await procs.start("doctor", env=env)
+        assert await doctor.wait() == 0, "\n".join(doctor.output)
+        assert re.search(r"^writer\s+ok\s+answered a ping", "\n".join(doctor.output), re.M)
+    finally:
+        code = await group.stop()
+    text = "\n".join(group.output)
+    assert code == 0, text
+    assert "Traceback" not in text

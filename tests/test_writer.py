@@ -1,0 +1,87 @@
+"""The corpus writer's command path: ping round trip, deadlines, unknown commands, identity refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from actors.writer import WRITER_QUEUE, CorpusWriter
+from infra.bus.base import COMMANDS_EXCHANGE, DEAD_EXCHANGE, DEAD_REASON_HEADER, Bus, Delivery, QueueKind, QueueSpec
+from protocol.errors import LineageMismatch
+from protocol.messages import ErrorReply, Ping, Pong, Probe
+
+
+async def test_ping_round_trip(bus: Bus) -> None:
+    writer = CorpusWriter(bus, node_id="writer-under-test")
+    await writer.start()
+    try:
+        nonce = uuid.uuid4().hex
+        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce=nonce), timeout=10)
+        assert reply.message == Pong(nonce=nonce, responder="writer-under-test")
+    finally:
+        await writer.stop(grace=2)
+
+
+async def test_unknown_command_gets_an_error_reply_and_is_dead_lettered(bus: Bus) -> None:
+    dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
+    await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
+    seen: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
+
+    async def on_dead(d: Delivery) -> None:
+        if isinstance(d.message, Probe) and d.message.n == 4242 and not seen.done():
+            seen.set_result(d)
+
+    watcher = await bus.consume(dead, on_dead, prefetch=10)
+    writer = CorpusWriter(bus, node_id="w")
+    await writer.start()
+    try:
+        reply = await bus.request(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=4242), timeout=10)
+        assert isinstance(reply.message, ErrorReply)
+        assert reply.message.code == "unknown_command" and reply.message.status == 400
+        async with asyncio.timeout(10):
+            d = await seen
+        assert "no handler for command type 'system.probe'" in str(d.headers[DEAD_REASON_HEADER])
+    finally:
+        await writer.stop(grace=2)
+        await watcher.drain(1)
+
+
+async def test_identity_mismatch_refuses_commands(bus: Bus) -> None:
+    writer = CorpusWriter(bus, node_id="w", identity_error=LineageMismatch("lineage differs"))
+    await writer.start()
+    try:
+        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce="x"), timeout=10)
+        assert isinstance(reply.message, ErrorReply)
+        assert (reply.message.status, reply.message.code) == (503, "lineage_unavailable")
+    finally:
+        await writer.stop(grace=2)
+
+
+async def test_expired_commands_are_skipped(bus: Bus) -> None:
+    """Work whose requester already gave up is acked without effect; the next command is served.
+
+    The writer runs with prefetch 1, so it handles commands strictly in order: had it handled the
+    expired command, that command's dead letter would arrive before the live one's.
+    """
+    dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
+    await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
+    first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_dead(d: Delivery) -> None:
+        if isinstance(d.message, Probe) and d.message.n in (1, 2) and not first.done():
+            first.set_result(d.message.n)
+
+    watcher = await bus.consume(dead, on_dead, prefetch=10)
+    writer = CorpusWriter(bus, node_id="w", prefetch=1)
+    await writer.start()
+    try:
+        await bus.publish(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=1),
+                          headers={"x-deadline": int((time.time() - 5) * 1000)})
+        reply = await bus.request(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=2), timeout=10)
+        assert isinstance(reply.message, ErrorReply)
+        async with asyncio.timeout(10):
+            assert await first == 2
+    finally:
+        await writer.stop(grace=2)
+        await watcher.drain(1)
