@@ -78,7 +78,13 @@ def _start(pgdata: Path) -> Any:
     import pgserver
 
     pgdata.parent.mkdir(parents=True, exist_ok=True)
-    return pgserver.get_server(pgdata, cleanup_mode="stop")
+    try:
+        return pgserver.get_server(pgdata, cleanup_mode="stop")
+    except BaseException:
+        # pgserver caches the handle before starting the server, so a failed start would be
+        # handed back, still broken, to every retry in this process. Forget it.
+        getattr(pgserver.PostgresServer, "_instances", {}).pop(pgdata, None)
+        raise
 
 
 def _stop(server: Any) -> None:

@@ -1,0 +1,82 @@
+"""Embedded PostgreSQL (pgserver): data survives a restart; a failed start says where to look."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.db import Database, EmbeddedPostgres, start_embedded
+from protocol.errors import DatabaseUnavailable
+
+
+async def _stop_all(servers: list[EmbeddedPostgres]) -> None:
+    for server in servers:
+        await server.stop()
+
+
+async def test_data_survives_a_restart(tmp_path: Path) -> None:
+    data_dir = tmp_path / "not-yet" / "data"
+    servers: list[EmbeddedPostgres] = []
+    try:
+        first = await start_embedded(data_dir)
+        servers.append(first)
+        assert first.data_dir == (data_dir / "postgres").resolve()
+        assert first.log_path.is_file()
+        db = await Database.connect(first.dsn, max_size=1)
+        try:
+            await db.pool.execute("create table kept (note text)")
+            await db.pool.execute("insert into kept values ('still here')")
+        finally:
+            await db.close()
+        await first.stop()
+        await first.stop()  # idempotent
+
+        # Stopped means stopped: nothing answers on its socket any more.
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable):
+            await Database.connect(first.dsn, max_size=1, connect_timeout=5)
+        assert time.monotonic() - started < 5
+
+        second = await start_embedded(data_dir)
+        servers.append(second)
+        assert second.data_dir == first.data_dir
+        db = await Database.connect(second.dsn, max_size=1)
+        try:
+            assert await db.pool.fetchval("select note from kept") == "still here"
+        finally:
+            await db.close()
+    finally:
+        await _stop_all(servers)
+
+
+async def test_a_server_that_cannot_start_points_at_its_log(tmp_path: Path) -> None:
+    servers: list[EmbeddedPostgres] = []
+    try:
+        servers.append(await start_embedded(tmp_path))
+        await servers[-1].stop()
+        conf = tmp_path / "postgres" / "postgresql.conf"
+        original = conf.read_text()
+        conf.write_text(original + "\nthis line is not a setting\n")
+
+        with pytest.raises(DatabaseUnavailable) as err:
+            await start_embedded(tmp_path)
+        message = str(err.value)
+        assert "did not start" in message
+        assert str(tmp_path / "postgres" / "log") in message
+
+        # Fixing the cause is enough: a retry in the same process starts cleanly.
+        conf.write_text(original)
+        servers.append(await start_embedded(tmp_path))
+        db = await Database.connect(servers[-1].dsn, max_size=1)
+        await db.close()
+    finally:
+        await _stop_all(servers)
+
+
+async def test_a_data_dir_that_is_a_file_is_refused_clearly(tmp_path: Path) -> None:
+    blocker = tmp_path / "data"
+    blocker.write_text("not a directory")
+    with pytest.raises(DatabaseUnavailable, match="did not start"):
+        await start_embedded(blocker)
