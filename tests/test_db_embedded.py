@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -9,11 +12,24 @@ import pytest
 
 from infra.db import Database, EmbeddedPostgres, start_embedded
 from protocol.errors import DatabaseUnavailable
+from tests.procs import ROOT, clean_env
 
 
 async def _stop_all(servers: list[EmbeddedPostgres]) -> None:
     for server in servers:
         await server.stop()
+
+
+async def _assert_unreachable(dsn: str) -> None:
+    """Nothing answers at ``dsn`` any more, and saying so takes well under the connect timeout."""
+    started = time.monotonic()
+    try:
+        db = await Database.connect(dsn, max_size=1, connect_timeout=5)
+    except DatabaseUnavailable:
+        assert time.monotonic() - started < 5
+        return
+    await db.close()
+    raise AssertionError(f"a server still answers at {dsn}")
 
 
 async def test_data_survives_a_restart(tmp_path: Path) -> None:
@@ -34,10 +50,7 @@ async def test_data_survives_a_restart(tmp_path: Path) -> None:
         await first.stop()  # idempotent
 
         # Stopped means stopped: nothing answers on its socket any more.
-        started = time.monotonic()
-        with pytest.raises(DatabaseUnavailable):
-            await Database.connect(first.dsn, max_size=1, connect_timeout=5)
-        assert time.monotonic() - started < 5
+        await _assert_unreachable(first.dsn)
 
         second = await start_embedded(data_dir)
         servers.append(second)
@@ -80,3 +93,41 @@ async def test_a_data_dir_that_is_a_file_is_refused_clearly(tmp_path: Path) -> N
     blocker.write_text("not a directory")
     with pytest.raises(DatabaseUnavailable, match="did not start"):
         await start_embedded(blocker)
+
+
+_HOLDER = """
+import asyncio, sys, time
+from pathlib import Path
+from infra.db import start_embedded
+
+async def main():
+    server = await start_embedded(Path(sys.argv[1]))
+    print("READY " + server.dsn, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_node_does_not_keep_the_server_alive_forever(tmp_path: Path) -> None:
+    # A node killed with SIGKILL never lets go of the server; the next node to stop must stop it.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLDER, str(tmp_path), cwd=ROOT, env=clean_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            # Unconfigured structlog also prints to stdout: skip its lines.
+            while not (line := (await proc.stdout.readline()).decode()).startswith("READY "):
+                assert line, "the holder process exited before its server was ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+
+    server = await start_embedded(tmp_path)  # finds the orphaned server still running
+    try:
+        db = await Database.connect(server.dsn, max_size=1)
+        await db.close()
+    finally:
+        await server.stop()
+    await _assert_unreachable(server.dsn)

@@ -103,9 +103,11 @@ async def test_losers_of_the_insert_race_adopt_the_winner(db: Database, conns: l
             ensure_identity(racers[2], mine.corpus_id, mine.lineage),
             return_exceptions=True,
         )
+        racer_pids = [c.get_server_pid() for c in racers]
         async with asyncio.timeout(20):
             while await db.pool.fetchval(
-                    "select count(*) from pg_locks where locktype = 'transactionid' and not granted") < 3:
+                    "select count(*) from pg_locks where locktype = 'transactionid' and not granted "
+                    "and pid = any($1::int[])", racer_pids) < len(racers):
                 await asyncio.sleep(0.02)
     except BaseException:
         await tx.rollback()

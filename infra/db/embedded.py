@@ -59,6 +59,8 @@ async def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     """
     pgdata = (Path(data_dir).expanduser() / "postgres").resolve()
     log_path = pgdata / "log"
+    # Said before the (possibly slow, first-time initdb) start, so a hang still shows where to look.
+    log.info("db.embedded_starting", data_dir=str(pgdata), server_log=str(log_path))
     try:
         server = await asyncio.to_thread(_start, pgdata)
     except Exception as e:  # pgserver raises anything from AssertionError to CalledProcessError

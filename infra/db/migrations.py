@@ -82,6 +82,7 @@ def load_migrations() -> list[Migration]:
         if version in found:
             raise MigrationError(f"two migration files have number {version:04d}: "
                                  f"{found[version].name}.sql and {entry.name}")
+        # Read as text (universal newlines) so a CRLF checkout does not change the checksum.
         found[version] = Migration(version, entry.name.removesuffix(".sql"), entry.read_text(encoding="utf-8"))
     return [found[v] for v in sorted(found)]
 

@@ -124,7 +124,7 @@ class Database:
         """True once :meth:`close` has been called."""
         return self._closed
 
-    def acquire(self, *, timeout: float | None = None) -> Any:
+    def acquire(self, *, timeout: float | None = None) -> asyncpg.pool.PoolAcquireContext:
         """``async with db.acquire() as conn:`` borrows one connection from the pool."""
         return self._pool.acquire(timeout=timeout)
 
