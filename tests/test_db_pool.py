@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from infra.db import Database
-from protocol.errors import DatabaseUnavailable
+from protocol.errors import ConfigError, DatabaseUnavailable
 from tests.db_fixtures import with_database
 
 
@@ -21,6 +21,14 @@ async def test_a_closed_port_fails_fast_without_leaking_the_password() -> None:
     assert "secretpw" not in message and "secretpw" not in repr(err.value)
     assert "127.0.0.1:1/x" in message
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+@pytest.mark.parametrize("dsn", ["postgresql://u:s3cr3t@127.0.0.1:notaport/db",
+                                 "postgresql://u:s3cr3t@127.0.0.1/db?sslmode=bogus"])
+async def test_a_malformed_dsn_is_a_config_error_without_the_password(dsn: str) -> None:
+    with pytest.raises(ConfigError, match="is not valid") as err:
+        await Database.connect(dsn)
+    assert "s3cr3t" not in str(err.value)
 
 
 async def test_an_unknown_database_is_unavailable_not_a_driver_error(database_server: str) -> None:

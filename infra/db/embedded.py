@@ -64,7 +64,7 @@ async def start_embedded(data_dir: Path) -> EmbeddedPostgres:
     try:
         server = await asyncio.to_thread(_start, pgdata)
     except Exception as e:  # pgserver raises anything from AssertionError to CalledProcessError
-        hint = f"see the server log at {log_path}" if log_path.exists() else f"check that {pgdata.parent} is writable"
+        hint = f"see the server log at {log_path}" if log_path.exists() else f"check that {pgdata.parent} is a writable directory"
         raise DatabaseUnavailable(
             f"embedded PostgreSQL in {pgdata} did not start ({type(e).__name__}: {_first_line(e)}); {hint}"
         ) from e
