@@ -12,12 +12,12 @@ if TYPE_CHECKING:
     from toastmachine.node import Node
 
 
-def _writer(node: "Node") -> Actor:
+def _writer(node: Node) -> Actor:
     return CorpusWriter(node.bus, node_id=node.settings.node_id, identity_error=node.identity_error,
                         prefetch=node.settings.prefetch)
 
 
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).
-ACTORS: dict[str, Callable[["Node"], Actor]] = {
+ACTORS: dict[str, Callable[[Node], Actor]] = {
     "writer": _writer,
 }

@@ -71,7 +71,7 @@ class Settings:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Parse ``TOASTMACHINE_*`` variables; raise ConfigError naming the first bad one."""
         env = os.environ if env is None else env
         d = cls()

@@ -20,6 +20,7 @@ from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
 from protocol.errors import (
     ApiError,
+    BusUnavailable,
     DatabaseUnavailable,
     InternalError,
     MethodNotAllowed,
@@ -27,7 +28,6 @@ from protocol.errors import (
     PayloadTooLarge,
     ServiceUnavailable,
 )
-from protocol.errors import BusUnavailable
 
 log = get_logger("toastmachine.http")
 

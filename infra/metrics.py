@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from infra.runtime import ActorHealth, ActorState
 from infra.bus.base import Bus
+from infra.runtime import ActorHealth, ActorState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -18,7 +18,7 @@ from protocol.errors import ProtocolDecodeError
 CONTENT_TYPE = "application/json"
 WIRE_SCHEMA_VERSION = 1
 
-_REGISTRY: dict[str, type["BusMessage"]] = {}
+_REGISTRY: dict[str, type[BusMessage]] = {}
 
 M = TypeVar("M", bound="BusMessage")
 

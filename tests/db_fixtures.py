@@ -34,7 +34,7 @@ import pytest_asyncio
 
 from infra.db import Database, EmbeddedPostgres, apply_migrations, start_embedded
 
-__all__ = ["database_dsn", "database_server", "db", "embedded_postgres", "with_database"]
+__all__ = ["database_dsn", "database_server", "database_url", "db", "embedded_postgres", "with_database"]
 
 #: Seconds allowed for creating or dropping a test database.
 ADMIN_TIMEOUT = 30.0
@@ -75,6 +75,17 @@ async def database_dsn(database_server: str) -> AsyncIterator[str]:
     finally:
         # FORCE ends sessions a failed test left open (a leaked pool, a killed child's backend).
         await _admin(database_server, f'drop database if exists "{name}" with (force)')
+
+
+@pytest.fixture
+async def database_url(postgres_url: str) -> AsyncIterator[str]:
+    """A fresh database on the real PostgreSQL server only (for tests of processes run against it)."""
+    name = f"tm_test_{uuid.uuid4().hex[:16]}"
+    await _admin(postgres_url, f'create database "{name}"')
+    try:
+        yield with_database(postgres_url, name)
+    finally:
+        await _admin(postgres_url, f'drop database if exists "{name}" with (force)')
 
 
 @pytest.fixture

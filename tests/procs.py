@@ -96,9 +96,9 @@ async def start(*args: str, env: Mapping[str, str], cwd: Path | None = None,
 
 
 async def get_json(url: str, timeout: float = 10) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            return resp.status, await resp.json()
+    async with aiohttp.ClientSession() as session, \
+            session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        return resp.status, await resp.json()
 
 
 def free_port() -> int:

@@ -77,7 +77,7 @@ def test_cli_stops_with_the_variable_name(tmp_path: Path) -> None:
     """A bad value stops the process before it does anything, naming the variable."""
     env = {"PATH": "/usr/bin:/bin", "TOASTMACHINE_PORT": "abc", "TOASTMACHINE_DATA_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "toastmachine.cli", "up"], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+                          text=True, timeout=60, check=False, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2
     assert "TOASTMACHINE_PORT" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -20,7 +20,14 @@ from actors.web.app import WebFront
 from infra.bus import make_bus
 from infra.bus.base import Bus
 from infra.config import Settings, redact_url
-from infra.db import CorpusIdentity, Database, EmbeddedPostgres, apply_migrations, ensure_identity, start_embedded
+from infra.db import (
+    CorpusIdentity,
+    Database,
+    EmbeddedPostgres,
+    apply_migrations,
+    ensure_identity,
+    start_embedded,
+)
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from infra.runtime import Actor, ActorHealth, Supervisor

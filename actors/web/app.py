@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 MAX_BODY_BYTES = 256 * 1024
 
 
-def make_app(node: "Node") -> web.Application:
+def make_app(node: Node) -> web.Application:
     """Build the web front's application for ``node``."""
     app = web.Application(middlewares=[make_middleware(node.metrics)], client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
@@ -35,7 +35,7 @@ class WebFront(Actor):
 
     name = "web"
 
-    def __init__(self, node: "Node", *, host: str, port: int) -> None:
+    def __init__(self, node: Node, *, host: str, port: int) -> None:
         super().__init__()
         self.node = node
         self.host = host

@@ -9,4 +9,4 @@ from aiohttp import web
 if TYPE_CHECKING:
     from toastmachine.node import Node
 
-NODE: web.AppKey["Node"] = web.AppKey("node")
+NODE: web.AppKey[Node] = web.AppKey("node")

@@ -7,11 +7,10 @@ from typing import Any
 
 from aiohttp import web
 
+from actors.web.context import NODE
 from infra.http import json_response
 from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from protocol.errors import ServiceUnavailable
-
-from actors.web.context import NODE
 
 #: Each dependency check gets this long before it counts as down.
 CHECK_TIMEOUT = 2.0
