@@ -65,7 +65,7 @@ async def test_up_on_rabbitmq_and_postgres(tmp_path: Path, rabbitmq_url: str, da
         assert await doctor.wait() == 0, "\n".join(doctor.output)
         text = "\n".join(doctor.output)
         for name in ("config", "database", "migrations", "corpus", "bus", "writer"):
-            assert re.search(rf"^{name}\s+ok\b", text, re.M), text
+            assert re.search(rf"^{name}\s+ok\b", text, re.MULTILINE), text
     finally:
         assert await node.stop() == 0
     assert not (tmp_path / "postgres").exists(), "DATABASE_URL was set: no embedded server may start"
@@ -116,8 +116,8 @@ async def test_migrate_then_doctor(tmp_path: Path, database_url: str) -> None:
     code = await proc.wait()
     text = "\n".join(proc.output)
     assert code == 0, text
-    assert re.search(r"^migrations\s+ok\s+schema up to date", text, re.M), text
-    assert re.search(r"^bus\s+skip\b", text, re.M), text
+    assert re.search(r"^migrations\s+ok\s+schema up to date", text, re.MULTILINE), text
+    assert re.search(r"^bus\s+skip\b", text, re.MULTILINE), text
 
 
 async def test_doctor_reports_each_failure(tmp_path: Path, database_url: str) -> None:
@@ -126,8 +126,8 @@ async def test_doctor_reports_each_failure(tmp_path: Path, database_url: str) ->
     proc = await procs.start("doctor", env=env)
     assert await proc.wait() == 1
     text = "\n".join(proc.output)
-    assert re.search(r"^database\s+ok\b", text, re.M), text
-    assert re.search(r"^bus\s+FAIL\b.*127\.0\.0\.1:1", text, re.M), text
+    assert re.search(r"^database\s+ok\b", text, re.MULTILINE), text
+    assert re.search(r"^bus\s+FAIL\b.*127\.0\.0\.1:1", text, re.MULTILINE), text
 
 
 async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
@@ -146,7 +146,7 @@ async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database
         assert status == 200, body
         doctor = await procs.start("doctor", env=env)
         assert await doctor.wait() == 0, "\n".join(doctor.output)
-        assert re.search(r"^writer\s+ok\s+answered a ping", "\n".join(doctor.output), re.M)
+        assert re.search(r"^writer\s+ok\s+answered a ping", "\n".join(doctor.output), re.MULTILINE)
     finally:
         code = await group.stop()
     text = "\n".join(group.output)

@@ -7,7 +7,15 @@ import time
 import uuid
 
 from actors.writer import WRITER_QUEUE, CorpusWriter
-from infra.bus.base import COMMANDS_EXCHANGE, DEAD_EXCHANGE, DEAD_REASON_HEADER, Bus, Delivery, QueueKind, QueueSpec
+from infra.bus.base import (
+    COMMANDS_EXCHANGE,
+    DEAD_EXCHANGE,
+    DEAD_REASON_HEADER,
+    Bus,
+    Delivery,
+    QueueKind,
+    QueueSpec,
+)
 from protocol.errors import LineageMismatch
 from protocol.messages import ErrorReply, Ping, Pong, Probe
 
