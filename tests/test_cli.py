@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import sys
@@ -152,3 +153,58 @@ async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database
     text = "\n".join(group.output)
     assert code == 0, text
     assert "Traceback" not in text
+
+
+async def _until_ready(url: str, timeout: float) -> dict:
+    """Poll /readyz until it answers 200 (the only signal a separate process gives), or fail."""
+    last: object = None
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    status, body = await procs.get_json(url + "/readyz", timeout=3)
+                    if status == 200:
+                        return body
+                    last = body
+                except (OSError, TimeoutError) as e:
+                    last = e
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        raise AssertionError(f"not ready within {timeout}s; last answer: {last}") from None
+
+
+async def _until_reconnected(url: str, timeout: float) -> None:
+    """Poll /metrics until the bus reports a reconnect and is connected again."""
+    import aiohttp
+
+    rx = re.compile(r"^toastmachine_bus_reconnects_total\{[^}]*\} (\d+)", re.M)
+    async with asyncio.timeout(timeout), aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text()
+            m = rx.search(text)
+            if m and int(m.group(1)) >= 1 and 'toastmachine_bus_connected{backend="rabbitmq"} 1.0' in text:
+                return
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.fault
+async def test_node_recovers_when_the_broker_drops_every_connection(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_AMQP_URL=rabbitmq_url, TOASTMACHINE_DATABASE_URL=database_url)
+    node = await procs.start("up", env=env)
+    try:
+        url = await node.wait_listening(timeout=30)
+        await _until_ready(url, 10)
+        killer = await asyncio.create_subprocess_exec(
+            "rabbitmqctl", "close_all_connections", "fault test: node recovery",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        assert await killer.wait() == 0
+        await _until_reconnected(url, 30)
+        body = await _until_ready(url, 30)
+        assert body["checks"]["actors"]["writer"]["state"] == "running"
+        doctor = await procs.start("doctor", env=env)
+        assert await doctor.wait() == 0, "\n".join(doctor.output)
+    finally:
+        assert await node.stop() == 0
