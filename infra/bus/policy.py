@@ -1,0 +1,178 @@
+"""What both bus backends share, so that they cannot drift apart: the consumer's ack policy, the
+header conventions of dead letters, the outgoing trace header and the reply delivery.
+
+The ack policy (:func:`handle_delivery`) is the one described in :mod:`infra.bus.base`: decode with
+the real codec (an undecodable body is dead-lettered and never reaches the handler), run the
+handler with the message's trace id bound, then ack on return, dead-letter on
+:class:`ProtocolDecodeError`, requeue on any other exception. Cancellation is not settled here: the
+consumer that cancelled the handler requeues the delivery itself (see ``drain``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from infra.bus.base import DEAD_REASON_HEADER, Delivery, Handler, HeaderValue
+from infra.logs import TRACE_HEADER, bound_trace, current_trace_id
+from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError
+from protocol.messages import BusMessage, decode_message
+
+#: Where a dead letter was first published (exchange and routing key), beside x-tm-dead-reason.
+DEAD_EXCHANGE_HEADER = "x-tm-dead-exchange"
+DEAD_ROUTING_KEY_HEADER = "x-tm-dead-routing-key"
+#: The queue the dead letter was taken from (also its routing key on ``tm.dead``).
+DEAD_QUEUE_HEADER = "x-tm-dead-queue"
+
+#: Dead-letter reasons chosen by the bus itself (the broker's words, so both backends agree).
+REASON_DELIVERY_LIMIT = "delivery_limit"
+REASON_REJECTED = "rejected"
+
+#: A bound on requests waiting for their reply, per bus: past it, request() refuses at once.
+DEFAULT_MAX_PENDING_REQUESTS = 10_000
+
+
+def outgoing_headers(headers: Mapping[str, HeaderValue] | None) -> dict[str, HeaderValue]:
+    """Copy ``headers`` and add the trace id bound to the running task, unless the caller set one."""
+    out: dict[str, HeaderValue] = dict(headers) if headers else {}
+    if TRACE_HEADER not in out:
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            out[TRACE_HEADER] = trace_id
+    return out
+
+
+def dead_letter_headers(delivery: Delivery, queue: str, reason: str) -> dict[str, HeaderValue]:
+    """Headers of the copy published to ``tm.dead``: the original ones plus reason and provenance."""
+    headers = dict(delivery.headers)
+    headers[DEAD_REASON_HEADER] = reason
+    headers[DEAD_EXCHANGE_HEADER] = delivery.exchange
+    headers[DEAD_ROUTING_KEY_HEADER] = delivery.routing_key
+    headers[DEAD_QUEUE_HEADER] = queue
+    return headers
+
+
+async def handle_delivery(
+    delivery: Delivery, type_name: str | None, body: bytes, handler: Handler, *, queue: str, log: Any,
+) -> None:
+    """Decode ``body`` and run ``handler`` on it under the ack policy of :mod:`infra.bus.base`."""
+    with bound_trace(delivery.trace_id, queue=queue):
+        try:
+            delivery.message = decode_message(type_name, body)
+        except ProtocolDecodeError as e:
+            log.warning("bus.undecodable", queue=queue, error=str(e))
+            await _dead_letter(delivery, str(e), log)
+            return
+        try:
+            await handler(delivery)
+        except ProtocolDecodeError as e:
+            if not delivery.settled:
+                log.warning("bus.poison", queue=queue, message_type=type_name, error=str(e))
+                await _dead_letter(delivery, str(e), log)
+            return
+        except Exception as e:
+            log.warning("bus.handler_failed", queue=queue, message_type=type_name, error=repr(e),
+                        delivery_count=delivery.delivery_count, exc_info=True)
+            if not delivery.settled:
+                await delivery.nack(requeue=True)
+            return
+        if not delivery.settled:
+            await delivery.ack()
+
+
+async def _dead_letter(delivery: Delivery, reason: str, log: Any) -> None:
+    try:
+        await delivery.dead_letter(reason)
+    except BusError as e:
+        # The backend gave the message back instead (it must never be lost): it comes again later.
+        log.error("bus.dead_letter_failed", reason=reason, error=str(e))
+
+
+@dataclass(frozen=True, slots=True)
+class RawMessage:
+    """A message as it sits in a queue, undecoded: what ``fetch_raw`` returns (diagnostics, tests)."""
+
+    exchange: str
+    routing_key: str
+    type_name: str | None
+    body: bytes
+    headers: dict[str, HeaderValue]
+    redelivered: bool
+
+
+class ReplyDelivery(Delivery):
+    """A reply handed back by :meth:`Bus.request`: nothing to settle (direct reply-to is no-ack)."""
+
+    def __init__(self, message: BusMessage, *, exchange: str, routing_key: str,
+                 headers: dict[str, HeaderValue], message_id: str | None,
+                 correlation_id: str | None) -> None:
+        super().__init__()
+        self.message = message
+        self.exchange = exchange
+        self.routing_key = routing_key
+        self.headers = headers
+        self.message_id = message_id
+        self.correlation_id = correlation_id
+        self.reply_to = None
+        self.redelivered = False
+        self.delivery_count = 1
+        self.settled = True
+
+    async def ack(self) -> None:
+        """Nothing to do: replies are not acknowledged."""
+
+    async def nack(self, requeue: bool = True) -> None:
+        """Nothing to do: replies are not acknowledged."""
+
+    async def dead_letter(self, reason: str) -> None:
+        """Nothing to do: a reply has no queue to be dead-lettered from."""
+
+
+class PendingRequests:
+    """Requests waiting for their reply, by correlation id; bounded.
+
+    Args:
+        limit: most requests waiting at once; one more raises BusUnavailable instead of queueing.
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_PENDING_REQUESTS) -> None:
+        self.limit = limit
+        self._waiting: dict[str, asyncio.Future[ReplyDelivery]] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, correlation_id: str) -> asyncio.Future[ReplyDelivery]:
+        """Register a request; the returned future gets its reply."""
+        if len(self._waiting) >= self.limit:
+            raise BusUnavailable(f"{self.limit} requests already wait for replies; refusing one more")
+        future: asyncio.Future[ReplyDelivery] = asyncio.get_running_loop().create_future()
+        self._waiting[correlation_id] = future
+        return future
+
+    def discard(self, correlation_id: str) -> None:
+        """Forget a request (answered, timed out or cancelled)."""
+        self._waiting.pop(correlation_id, None)
+
+    def resolve(self, correlation_id: str | None, make: Any) -> bool:
+        """Complete the request ``correlation_id`` with ``make()`` (a ReplyDelivery, or raise).
+
+        Returns False when nobody waits for it any more (a late reply is dropped, as on RabbitMQ).
+        """
+        future = self._waiting.get(correlation_id or "")
+        if future is None or future.done():
+            return False
+        try:
+            future.set_result(make())
+        except ProtocolDecodeError as e:
+            future.set_exception(e)
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every waiting request (the bus is closing)."""
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        self._waiting.clear()

@@ -1,0 +1,678 @@
+"""The RabbitMQ bus: the contract of :mod:`infra.bus.base` on aio-pika.
+
+Connections and channels
+    One robust connection (aio-pika's ``connect_robust`` machinery): when the broker drops it, it
+    reconnects every ``reconnect_interval`` seconds and re-declares what was declared through it
+    (exchanges, queues, bindings, consumers, QoS). The very first connect, however, fails fast with
+    :class:`BusUnavailable` naming the URL (password redacted): a misconfigured node must not sit
+    retrying in silence. Channels: one for declarations, one for publishing (publisher confirms),
+    one for requests (publisher confirms plus the direct reply-to consumer, which RabbitMQ requires
+    on the publishing channel), and one per consumer so each gets its own ``basic.qos`` prefetch.
+
+Topology (see docs/architecture.md)
+    WORK queues are durable quorum queues with ``x-delivery-limit``, dead-lettered to ``tm.dead``
+    with routing key = the queue name, at-least-once (which needs ``x-overflow: reject-publish``).
+    NODE queues are exclusive, auto-delete, classic, with ``x-max-length`` and drop-head overflow.
+
+Delivery counts and dead letters
+    ``delivery_count`` is the quorum queue's ``x-delivery-count`` + 1. RabbitMQ's ``x-delivery-limit``
+    counts *failed* deliveries and dead-letters once they exceed it, so ``QueueSpec.delivery_limit``
+    (total deliveries) is declared as ``delivery_limit - 1``. Our own dead letters (undecodable
+    bodies, :class:`ProtocolDecodeError`, :meth:`Delivery.dead_letter`) are published as confirmed
+    copies to ``tm.dead`` with ``x-tm-dead-reason`` before the original is acked; the broker's own
+    (delivery limit, ``nack(requeue=False)``) carry ``x-first-death-reason``, which consumers see
+    as ``x-tm-dead-reason`` too, so dead letters read the same whoever produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustQueue
+from aio_pika.connection import make_url
+from aiormq.abc import DeliveredMessage
+
+from infra.bus.base import (
+    COMMANDS_EXCHANGE,
+    DEAD_EXCHANGE,
+    DEAD_LETTER_QUEUE,
+    DEAD_REASON_HEADER,
+    DELIVERY_COUNT_HEADER,
+    EVENTS_EXCHANGE,
+    Bus,
+    Consumer,
+    Delivery,
+    Handler,
+    Headers,
+    HeaderValue,
+    QueueKind,
+    QueueSpec,
+    deadline_header,
+)
+from infra.bus.policy import (
+    DEAD_EXCHANGE_HEADER,
+    DEAD_QUEUE_HEADER,
+    DEAD_ROUTING_KEY_HEADER,
+    DEFAULT_MAX_PENDING_REQUESTS,
+    PendingRequests,
+    RawMessage,
+    ReplyDelivery,
+    dead_letter_headers,
+    handle_delivery,
+    outgoing_headers,
+)
+from infra.config import redact_url
+from infra.logs import get_logger
+from protocol.errors import BusError, BusUnavailable, RequestTimeout, Unroutable
+from protocol.messages import CONTENT_TYPE, BusMessage, decode_message, encode_message
+
+log = get_logger("toastmachine.bus.rabbitmq")
+
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
+_PERSISTENT = 2
+_SETTLE_ERRORS = (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError, ConnectionError)
+#: Failures after which a publish is tried again once the connection is back.
+_TRANSIENT = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.DeliveryError,  # a broker nack (e.g. reject-publish): the broker kept nothing
+    ConnectionError,
+    OSError,
+)
+#: Channel errors that no retry can fix (missing exchange, refused access, conflicting arguments).
+_FATAL_CHANNEL = (
+    aiormq.exceptions.ChannelNotFoundEntity,
+    aiormq.exceptions.ChannelAccessRefused,
+    aiormq.exceptions.ChannelPreconditionFailed,
+    aiormq.exceptions.ChannelLockedResource,
+)
+
+
+class RabbitBus(Bus):
+    """The RabbitMQ bus (backend "rabbitmq").
+
+    Args:
+        url: AMQP URL, e.g. ``amqp://guest:guest@127.0.0.1:5672/``.
+        connection_name: shown by ``rabbitmqctl list_connections client_properties``.
+        connect_timeout: seconds the first connect may take before BusUnavailable.
+        reconnect_interval: seconds between reconnect attempts after the connection dropped.
+        max_pending_requests: most :meth:`request` calls waiting for a reply at once.
+    """
+
+    backend = "rabbitmq"
+
+    def __init__(self, url: str, *, connection_name: str = "toastmachine", connect_timeout: float = 10.0,
+                 reconnect_interval: float = 1.0,
+                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> None:
+        super().__init__()
+        self.url = url
+        self.connection_name = connection_name
+        self.connect_timeout = connect_timeout
+        self.reconnect_interval = reconnect_interval
+        #: Queue and exchange names declared through this bus (tests delete theirs with it).
+        self.declared_queues: set[str] = set()
+        self.declared_exchanges: set[str] = set()
+        self._connection: aio_pika.RobustConnection | None = None
+        self._admin: AbstractRobustChannel | None = None
+        self._pub: AbstractRobustChannel | None = None
+        self._rpc: AbstractRobustChannel | None = None
+        self._queue_args: dict[str, dict[str, Any]] = {}
+        self._consumers: set[_RabbitConsumer] = set()
+        self._pending = PendingRequests(max_pending_requests)
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        if self._connection is not None:
+            return
+        # connect_robust(), unrolled so that a failed first attempt can be closed: otherwise the
+        # half-made connection object would be left for the garbage collector to close.
+        connection = aio_pika.RobustConnection(
+            make_url(self.url), reconnect_interval=self.reconnect_interval,
+            client_properties={"connection_name": self.connection_name})
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await connection.connect(timeout=self.connect_timeout)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the first connect fails fast
+            with contextlib.suppress(Exception):
+                await connection.close()
+            detail = self._scrub(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            raise BusUnavailable(f"cannot connect to RabbitMQ at {self.redacted_url}: {detail}") from None
+        self._connection = connection
+        try:
+            connection.close_callbacks.add(self._on_connection_lost)
+            connection.reconnect_callbacks.add(self._on_reconnected)
+            self._admin = await connection.channel(publisher_confirms=False)
+            self._pub = await connection.channel(publisher_confirms=True)
+            self._rpc = await connection.channel(publisher_confirms=True)
+            for name in (COMMANDS_EXCHANGE, EVENTS_EXCHANGE, DEAD_EXCHANGE):
+                await self.declare_exchange(name)
+            await self._declare(DEAD_LETTER_QUEUE, durable=True, exclusive=False, auto_delete=False,
+                                arguments={"x-queue-type": "quorum"})
+            await self.bind(DEAD_LETTER_QUEUE, DEAD_EXCHANGE, "#")
+            # Direct reply-to: consume the pseudo-queue without acks on the channel that publishes
+            # requests. Declared (passively) through the robust channel so a reconnect restores it.
+            replies = await self._rpc.declare_queue(DIRECT_REPLY_TO, passive=True)
+            await replies.consume(self._on_reply, no_ack=True)
+        except BaseException as e:
+            await self._teardown()
+            if isinstance(e, BusError | asyncio.CancelledError):
+                raise
+            raise BusUnavailable(f"RabbitMQ at {self.redacted_url} refused the bus topology: "
+                                 f"{self._scrub(repr(e))}") from None
+        self.stats.connected = True
+        log.info("bus.connected", url=self.redacted_url)
+
+    async def close(self) -> None:
+        if self._connection is None:
+            return
+        for consumer in list(self._consumers):
+            await consumer.drain(0)
+        self._pending.fail_all(BusUnavailable("the bus was closed while waiting for a reply"))
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        connection, self._connection = self._connection, None
+        self._admin = self._pub = self._rpc = None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close()
+        self.stats.connected = False
+
+    def _on_connection_lost(self, _sender: object, exc: BaseException | None = None) -> None:
+        if self.stats.connected:
+            log.warning("bus.connection_lost", url=self.redacted_url, error=self._scrub(repr(exc)))
+        self.stats.connected = False
+
+    def _on_reconnected(self, _sender: object) -> None:
+        self.stats.connected = True
+        self.stats.reconnects += 1
+        log.info("bus.reconnected", url=self.redacted_url, reconnects=self.stats.reconnects)
+
+    def _scrub(self, text: str) -> str:
+        """Keep the password out of error text that quotes the URL."""
+        password = urlsplit(self.url).password
+        return text.replace(password, "***") if password else text
+
+    async def check(self) -> None:
+        connection, admin = self._connection, self._admin
+        if connection is None or admin is None or connection.is_closed:
+            raise BusUnavailable(f"not connected to RabbitMQ at {self.redacted_url}")
+        if not connection.connected.is_set() or admin.is_closed:
+            raise BusUnavailable(f"the connection to RabbitMQ at {self.redacted_url} is down; reconnecting")
+        try:
+            async with asyncio.timeout(5):
+                channel = await admin.get_underlay_channel()
+                await channel.exchange_declare(exchange=DEAD_EXCHANGE, passive=True)
+        except (TimeoutError, *_SETTLE_ERRORS) as e:
+            raise BusUnavailable(f"RabbitMQ at {self.redacted_url} does not answer: {e!r}") from None
+
+    def _channels(self) -> tuple[AbstractRobustChannel, AbstractRobustChannel, AbstractRobustChannel]:
+        if self._admin is None or self._pub is None or self._rpc is None:
+            raise BusUnavailable(f"not connected to RabbitMQ at {self.redacted_url}")
+        return self._admin, self._pub, self._rpc
+
+    # --- topology ----------------------------------------------------------------------------
+
+    async def declare_exchange(self, name: str) -> None:
+        admin, _, _ = self._channels()
+        if not name:
+            raise BusError("the default exchange cannot be declared")
+        await self._admin_call(admin.declare_exchange(name, aio_pika.ExchangeType.TOPIC, durable=True),
+                               f"declare exchange {name!r}")
+        self.declared_exchanges.add(name)
+
+    async def declare_queue(self, spec: QueueSpec) -> str:
+        if spec.kind is QueueKind.WORK:
+            if not spec.name:
+                raise BusError("WORK queues must be named")
+            if spec.delivery_limit < 1:
+                raise BusError(f"delivery_limit must be at least 1, not {spec.delivery_limit}")
+            await self._declare(spec.name, durable=True, exclusive=False, auto_delete=False, arguments={
+                "x-queue-type": "quorum",
+                # RabbitMQ counts failed deliveries and dead-letters past the limit: see module doc.
+                "x-delivery-limit": spec.delivery_limit - 1,
+                "x-dead-letter-exchange": DEAD_EXCHANGE,
+                "x-dead-letter-routing-key": spec.name,
+                "x-dead-letter-strategy": "at-least-once",
+                "x-overflow": "reject-publish",
+            })
+            return spec.name
+        if spec.max_length < 1:
+            raise BusError(f"max_length must be at least 1, not {spec.max_length}")
+        # Named here rather than by the broker, so the reconnect can declare the same name again.
+        name = spec.name or f"tm.node.{uuid.uuid4().hex}"
+        await self._declare(name, durable=False, exclusive=True, auto_delete=True,
+                            arguments={"x-max-length": spec.max_length, "x-overflow": "drop-head"})
+        return name
+
+    async def _declare(self, name: str, *, durable: bool, exclusive: bool, auto_delete: bool,
+                       arguments: dict[str, Any]) -> None:
+        admin, _, _ = self._channels()
+        args = {"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete, "arguments": arguments}
+        await self._admin_call(admin.declare_queue(name, **args), f"declare queue {name!r}")
+        self._queue_args[name] = args
+        self.declared_queues.add(name)
+
+    async def bind(self, queue: str, exchange: str, pattern: str) -> None:
+        admin, _, _ = self._channels()
+        if not exchange:
+            raise BusError("queues cannot be bound to the default exchange")
+
+        async def do() -> None:
+            q = await admin.declare_queue(queue, passive=True)
+            await q.bind(exchange, pattern)
+
+        await self._admin_call(do(), f"bind {queue!r} to {exchange!r} with {pattern!r}")
+
+    async def delete_queue(self, name: str) -> None:
+        """Delete a queue (for tests and operations). Consumers of it stop."""
+        admin, _, _ = self._channels()
+        for consumer in list(self._consumers):
+            if consumer.queue_name == name:
+                await consumer.drain(0)
+        await self._admin_call(admin.queue_delete(name), f"delete queue {name!r}")
+        self._queue_args.pop(name, None)
+        self.declared_queues.discard(name)
+
+    async def delete_exchange(self, name: str) -> None:
+        """Delete an exchange (for tests and operations)."""
+        admin, _, _ = self._channels()
+        await self._admin_call(admin.exchange_delete(name), f"delete exchange {name!r}")
+        self.declared_exchanges.discard(name)
+
+    async def _admin_call(self, call: Any, what: str, timeout: float = 30.0) -> Any:
+        try:
+            async with asyncio.timeout(timeout):
+                return await call
+        except _FATAL_CHANNEL as e:
+            raise BusError(f"RabbitMQ refused to {what}: {e}") from None
+        except TimeoutError:
+            raise BusUnavailable(f"could not {what} within {timeout}s: RabbitMQ at "
+                                 f"{self.redacted_url} does not answer") from None
+        except _TRANSIENT as e:
+            raise BusUnavailable(f"could not {what}: {self._scrub(repr(e))}") from None
+
+    # --- publishing --------------------------------------------------------------------------
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: BusMessage,
+        *,
+        headers: Headers | None = None,
+        message_id: str | None = None,
+        correlation_id: str | None = None,
+        mandatory: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        _, pub, _ = self._channels()
+        type_name, body = encode_message(message)
+        properties = aiormq.spec.Basic.Properties(
+            content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
+            message_type=type_name, message_id=message_id, correlation_id=correlation_id)
+        await self._send(pub, exchange, routing_key, body, properties, mandatory=mandatory, timeout=timeout)
+
+    async def publish_raw(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        type_name: str | None,
+        *,
+        headers: Headers | None = None,
+        mandatory: bool = False,
+        timeout: float = 10.0,
+    ) -> None:
+        """Publish bytes as they are, bypassing the encoder: for tests and diagnostics only.
+
+        This is how a test puts an undecodable body on the bus to watch it being dead-lettered.
+        """
+        _, pub, _ = self._channels()
+        properties = aiormq.spec.Basic.Properties(
+            content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
+            message_type=type_name)
+        await self._send(pub, exchange, routing_key, bytes(body), properties, mandatory=mandatory,
+                         timeout=timeout)
+
+    async def _send(self, channel: AbstractRobustChannel, exchange: str, routing_key: str, body: bytes,
+                    properties: aiormq.spec.Basic.Properties, *, mandatory: bool, timeout: float) -> None:
+        """Publish and wait for the confirm; across a reconnect, publish again until ``timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempt = 0
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    if attempt:
+                        # Wait for the reconnect (and the channel's restored consumers: the
+                        # request channel must have its reply-to consumer before publishing).
+                        await asyncio.sleep(min(0.05 * attempt, 0.5))
+                    await channel.ready()
+                    underlay = await channel.get_underlay_channel()
+                    result = await underlay.basic_publish(
+                        body, exchange=exchange, routing_key=routing_key, properties=properties,
+                        mandatory=mandatory)
+            except TimeoutError:
+                raise BusUnavailable(
+                    f"publish to {exchange or '(default exchange)'!r} with routing key {routing_key!r} "
+                    f"was not confirmed within {timeout}s (RabbitMQ at {self.redacted_url})") from None
+            except _FATAL_CHANNEL as e:
+                raise BusError(f"RabbitMQ refused a publish to {exchange!r}: {e}") from None
+            except _TRANSIENT as e:
+                attempt += 1
+                log.debug("bus.publish_retry", exchange=exchange, attempt=attempt, error=repr(e))
+                continue
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # Not our cancellation: a confirm future cancelled by the closing channel.
+                attempt += 1
+                continue
+            if isinstance(result, DeliveredMessage):
+                raise Unroutable(f"no queue is bound to {exchange or '(default exchange)'!r} "
+                                 f"for routing key {routing_key!r}")
+            self.stats.published += 1
+            return
+
+    # --- consuming ---------------------------------------------------------------------------
+
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
+        if self._connection is None:
+            raise BusUnavailable(f"not connected to RabbitMQ at {self.redacted_url}")
+        if prefetch < 1:
+            raise BusError(f"prefetch must be at least 1, not {prefetch}")
+        consumer = _RabbitConsumer(self, queue, handler, prefetch)
+        await consumer.start(self._connection, self._queue_args.get(queue))
+        self._consumers.add(consumer)
+        return consumer
+
+    async def fetch_raw(self, queue: str, *, timeout: float) -> RawMessage | None:
+        """Take one message from ``queue`` undecoded (acked), or None after ``timeout`` seconds.
+
+        For diagnostics and tests: it is the only way to look at a dead letter whose body the
+        codec cannot decode. It polls with basic.get rather than consuming, because cancelling a
+        consumer would delete an auto-delete (NODE) queue.
+        """
+        admin, _, _ = self._channels()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pause = 0.01
+        q = await self._admin_call(admin.declare_queue(queue, passive=True, robust=False), f"find queue {queue!r}")
+        while True:
+            incoming = await self._admin_call(q.get(no_ack=False, fail=False), f"read from {queue!r}")
+            if incoming is not None:
+                await incoming.ack()
+                return RawMessage(incoming.exchange or "", incoming.routing_key or "", incoming.type,
+                                  incoming.body, _headers(incoming.headers), bool(incoming.redelivered))
+            if loop.time() + pause > deadline:
+                return None
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    # --- request / reply ---------------------------------------------------------------------
+
+    async def request(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: BusMessage,
+        *,
+        timeout: float,
+        headers: Headers | None = None,
+    ) -> Delivery:
+        _, _, rpc = self._channels()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        type_name, body = encode_message(message)
+        correlation_id = uuid.uuid4().hex
+        future = self._pending.add(correlation_id)
+        try:
+            properties = aiormq.spec.Basic.Properties(
+                content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, message_type=type_name,
+                headers=outgoing_headers({**deadline_header(timeout), **(headers or {})}),
+                correlation_id=correlation_id, reply_to=DIRECT_REPLY_TO)
+            await self._send(rpc, exchange, routing_key, body, properties, mandatory=True, timeout=timeout)
+            # A reply lost to a reconnect (its reply-to address died with the old channel) is
+            # simply never seen: the request waits for its own deadline, then the outcome is unknown.
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await future
+            except TimeoutError:
+                raise RequestTimeout(f"no reply to {type_name!r} on {exchange!r} within {timeout}s; "
+                                     "the outcome is unknown") from None
+        finally:
+            self._pending.discard(correlation_id)
+
+    async def _on_reply(self, incoming: AbstractIncomingMessage) -> None:
+        def make() -> ReplyDelivery:
+            return ReplyDelivery(decode_message(incoming.type, incoming.body), exchange=incoming.exchange or "",
+                                 routing_key=incoming.routing_key or "", headers=_headers(incoming.headers),
+                                 message_id=incoming.message_id, correlation_id=incoming.correlation_id)
+
+        if self._pending.resolve(incoming.correlation_id, make):
+            self.stats.delivered += 1
+
+    async def reply(self, request: Delivery, message: BusMessage, *, headers: Headers | None = None) -> None:
+        if not request.reply_to:
+            return
+        _, pub, _ = self._channels()
+        type_name, body = encode_message(message)
+        properties = aiormq.spec.Basic.Properties(
+            content_type=CONTENT_TYPE, message_type=type_name, headers=outgoing_headers(headers),
+            correlation_id=request.correlation_id)
+        # Not mandatory: RabbitMQ returns mandatory publishes to reply-to addresses even when it
+        # delivers them, and a requester that went away needs no answer anyway.
+        await self._send(pub, "", request.reply_to, body, properties, mandatory=False, timeout=10.0)
+
+    async def _dead_letter_copy(self, delivery: _RabbitDelivery, queue: str, reason: str) -> None:
+        _, pub, _ = self._channels()
+        incoming = delivery.incoming
+        properties = aiormq.spec.Basic.Properties(
+            content_type=incoming.content_type, delivery_mode=_PERSISTENT, message_type=incoming.type,
+            headers=dead_letter_headers(delivery, queue, reason), message_id=incoming.message_id,
+            correlation_id=incoming.correlation_id, reply_to=incoming.reply_to)
+        await self._send(pub, DEAD_EXCHANGE, queue, incoming.body, properties, mandatory=False, timeout=10.0)
+
+
+class _RabbitDelivery(Delivery):
+    def __init__(self, consumer: _RabbitConsumer, incoming: AbstractIncomingMessage) -> None:
+        super().__init__()
+        self.consumer = consumer
+        self.incoming = incoming
+        self.exchange = incoming.exchange or ""
+        self.routing_key = incoming.routing_key or ""
+        self.headers = _headers(incoming.headers)
+        self.message_id = incoming.message_id
+        self.correlation_id = incoming.correlation_id
+        self.reply_to = incoming.reply_to
+        self.redelivered = bool(incoming.redelivered)
+        count = self.headers.get(DELIVERY_COUNT_HEADER)
+        if isinstance(count, int) and not isinstance(count, bool):
+            self.delivery_count = count + 1
+        else:
+            # Classic (NODE) queues keep no count: a redelivery is at least the second delivery.
+            self.delivery_count = 2 if self.redelivered else 1
+
+    def _claim(self) -> bool:
+        if self.settled:
+            return False
+        self.settled = True
+        self.consumer.unsettled.discard(self)
+        return True
+
+    async def ack(self) -> None:
+        if self._claim():
+            await self._settle("ack", self.incoming.ack())
+            self.consumer.bus.stats.acked += 1
+
+    async def nack(self, requeue: bool = True) -> None:
+        if self._claim():
+            await self._settle("nack", self.incoming.nack(requeue=requeue))
+            self.consumer.bus.stats.nacked += 1
+
+    async def dead_letter(self, reason: str) -> None:
+        if self.settled:
+            return
+        bus = self.consumer.bus
+        try:
+            await bus._dead_letter_copy(self, self.consumer.queue_name, reason)
+        except BaseException:
+            # The copy is not safe in tm.dead: give the original back rather than lose it.
+            await self.nack(requeue=True)
+            raise
+        if self._claim():
+            await self._settle("ack", self.incoming.ack())
+            bus.stats.dead_lettered += 1
+
+    async def _settle(self, what: str, call: Any) -> None:
+        try:
+            await call
+        except _SETTLE_ERRORS as e:
+            # The channel it came on is gone, and with it the delivery: the broker redelivers it.
+            log.info("bus.settle_lost", queue=self.consumer.queue_name, settle=what, error=repr(e))
+
+
+class _RabbitConsumer(Consumer):
+    def __init__(self, bus: RabbitBus, queue_name: str, handler: Handler, prefetch: int) -> None:
+        self.bus = bus
+        self.queue_name = queue_name
+        self.handler = handler
+        self.prefetch = prefetch
+        self.active = False
+        self.unsettled: set[_RabbitDelivery] = set()
+        self._tasks: dict[asyncio.Task[Any], _RabbitDelivery] = {}
+        # basic.qos bounds unacked messages per channel; this also bounds handlers that settle
+        # early and keep running, and the old channel's handlers still running after a reconnect.
+        self._slots = asyncio.Semaphore(prefetch)
+        self._channel: AbstractRobustChannel | None = None
+        self._queue: AbstractRobustQueue | None = None
+        self._tag: str | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def start(self, connection: aio_pika.RobustConnection, declaration: Mapping[str, Any] | None) -> None:
+        channel: AbstractRobustChannel = await connection.channel(publisher_confirms=False)  # type: ignore[assignment]
+        self._channel = channel
+        try:
+            await channel.set_qos(prefetch_count=self.prefetch)
+            # Our own queues are declared in full on this channel too: after a reconnect its
+            # restore may run before the declaring channel's, and an exclusive queue is gone by then.
+            if declaration is not None:
+                queue = await channel.declare_queue(self.queue_name, **declaration)
+            else:
+                queue = await channel.declare_queue(self.queue_name, passive=True)
+            self._queue = queue
+            self.active = True
+            self._tag = await queue.consume(self._on_message)
+        except BaseException as e:
+            self.active = False
+            await self._close_channel()
+            if isinstance(e, _FATAL_CHANNEL):
+                raise BusError(f"cannot consume {self.queue_name!r}: {e}") from None
+            if isinstance(e, _TRANSIENT):
+                raise BusUnavailable(f"cannot consume {self.queue_name!r}: {e!r}") from None
+            raise
+
+    async def _on_message(self, incoming: AbstractIncomingMessage) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        delivery = _RabbitDelivery(self, incoming)
+        self.unsettled.add(delivery)
+        self._tasks[task] = delivery
+        self.bus.stats.delivered += 1
+        try:
+            if not self.active:
+                # Arrived after cancel(): not ours to start any more.
+                await delivery.nack(requeue=True)
+                return
+            async with self._slots:
+                await handle_delivery(delivery, incoming.type, incoming.body, self.handler,
+                                      queue=self.queue_name, log=log)
+        except asyncio.CancelledError:
+            # Cut off by drain() or by the channel closing: hand it back (a no-op on a dead channel).
+            if not delivery.settled:
+                await delivery.nack(requeue=True)
+            raise
+        finally:
+            self._tasks.pop(task, None)
+
+    async def cancel(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self._queue is not None and self._tag is not None:
+            # During an outage basic.cancel would wait for the reconnect; the restore will not
+            # bring this consumer back (it is forgotten first), so a bounded wait is enough.
+            with contextlib.suppress(TimeoutError, *_SETTLE_ERRORS):
+                async with asyncio.timeout(5):
+                    await self._queue.cancel(self._tag)
+
+    async def drain(self, timeout: float) -> bool:
+        await self.cancel()
+        finished = True
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=max(timeout, 0))
+            if pending:
+                finished = False
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        for delivery in list(self.unsettled):
+            await delivery.nack(requeue=True)
+        # Closing the channel requeues whatever the broker sent after our basic.cancel.
+        await self._close_channel()
+        self.bus._consumers.discard(self)
+        return finished
+
+    async def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            with contextlib.suppress(TimeoutError, *_SETTLE_ERRORS):
+                async with asyncio.timeout(5):
+                    await channel.close()
+
+
+def _headers(raw: Mapping[str, Any] | None) -> dict[str, HeaderValue]:
+    """AMQP headers as plain values; the broker's dead-letter headers mapped onto ours."""
+    out: dict[str, HeaderValue] = {}
+    if not raw:
+        return out
+    for key, value in raw.items():
+        if value is None or isinstance(value, str | int | float | bool):
+            out[key] = value
+        elif isinstance(value, bytes):
+            out[key] = value.decode("utf-8", "replace")
+        elif isinstance(value, Decimal):
+            out[key] = float(value)
+        elif isinstance(value, datetime):
+            out[key] = value.isoformat()
+        # Arrays and tables (x-death) have no HeaderValue form; what matters of them is mapped below.
+    if DEAD_REASON_HEADER not in out and "x-first-death-reason" in out:
+        out[DEAD_REASON_HEADER] = out["x-first-death-reason"]
+        out[DEAD_EXCHANGE_HEADER] = out.get("x-first-death-exchange")
+        out[DEAD_QUEUE_HEADER] = out.get("x-first-death-queue")
+        deaths = raw.get("x-death")
+        if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+            keys = deaths[0].get("routing-keys")
+            if isinstance(keys, list) and keys:
+                key = keys[0]
+                out[DEAD_ROUTING_KEY_HEADER] = key.decode() if isinstance(key, bytes) else str(key)
+    return out
