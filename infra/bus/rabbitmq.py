@@ -128,6 +128,8 @@ class RabbitBus(Bus):
         self._queue_args: dict[str, dict[str, Any]] = {}
         self._consumers: set[_RabbitConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
+        # Mirrors stats.connected for waiters: set once the (re)connect has restored the topology.
+        self._up = asyncio.Event()
 
     @property
     def redacted_url(self) -> str:
@@ -174,6 +176,7 @@ class RabbitBus(Bus):
             raise BusUnavailable(f"RabbitMQ at {self.redacted_url} refused the bus topology: "
                                  f"{self._scrub(repr(e))}") from None
         self.stats.connected = True
+        self._up.set()
         log.info("bus.connected", url=self.redacted_url)
 
     async def close(self) -> None:
@@ -191,16 +194,31 @@ class RabbitBus(Bus):
             with contextlib.suppress(Exception):
                 await connection.close()
         self.stats.connected = False
+        self._up.clear()
 
     def _on_connection_lost(self, _sender: object, exc: BaseException | None = None) -> None:
         if self.stats.connected:
             log.warning("bus.connection_lost", url=self.redacted_url, error=self._scrub(repr(exc)))
         self.stats.connected = False
+        self._up.clear()
 
     def _on_reconnected(self, _sender: object) -> None:
         self.stats.connected = True
+        self._up.set()
         self.stats.reconnects += 1
         log.info("bus.reconnected", url=self.redacted_url, reconnects=self.stats.reconnects)
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Wait until the connection is up with its topology restored (e.g. after an outage).
+
+        Raises BusUnavailable after ``timeout`` seconds. Deliveries may resume slightly before this
+        returns: aio-pika restores channels and consumers first, then reports the reconnect.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                await self._up.wait()
+        except TimeoutError:
+            raise BusUnavailable(f"RabbitMQ at {self.redacted_url} is still unreachable after {timeout}s") from None
 
     def _scrub(self, text: str) -> str:
         """Keep the password out of error text that quotes the URL."""

@@ -1,0 +1,151 @@
+"""Real faults against the RabbitMQ bus: the broker drops every connection mid-stream; the broker is
+not there at all. ``rabbitmqctl close_all_connections`` closes *every* connection on the broker,
+other tests' included, which is fine because tests run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+
+import pytest
+
+from infra.bus.base import Delivery, QueueKind, QueueSpec
+from infra.bus.rabbitmq import RabbitBus
+from protocol.errors import BusUnavailable
+from protocol.messages import Ping, Pong, Probe
+from tests.bus_fixtures import cleanup_rabbit, unique_name
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
+
+COUNT = 2_000
+WINDOW = 10  # publishes in flight at once
+
+
+async def drop_all_connections(reason: str) -> None:
+    """Have the broker close every client connection, as a network cut or broker restart would."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not available to inject the fault")
+    proc = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", "close_all_connections", reason,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode(errors="replace")
+
+
+async def connected_bus(url: str, name: str) -> RabbitBus:
+    bus = RabbitBus(url, connection_name=name, reconnect_interval=0.5)
+    await bus.connect()
+    return bus
+
+
+@pytest.mark.rabbitmq
+async def test_confirmed_messages_survive_dropped_connections(rabbitmq_url: str) -> None:
+    publisher = await connected_bus(rabbitmq_url, "fault-test-publisher")
+    consumer_bus = await connected_bus(rabbitmq_url, "fault-test-consumer")
+    killers: list[asyncio.Task[None]] = []
+    consumer = None
+    try:
+        queue = await publisher.declare_queue(QueueSpec(unique_name("fault"), QueueKind.WORK))
+        seen: set[int] = set()
+        confirmed: set[int] = set()
+        publishing_done = False
+        all_delivered = asyncio.Event()
+
+        def check_done() -> None:
+            if publishing_done and confirmed <= seen:
+                all_delivered.set()
+
+        async def handler(d: Delivery) -> None:
+            assert isinstance(d.message, Probe)
+            seen.add(d.message.n)
+            check_done()
+
+        consumer = await consumer_bus.consume(queue, handler, prefetch=50)
+
+        async def publish(n: int) -> None:
+            await publisher.publish("", queue, Probe(n=n, data="x" * 64), timeout=30)
+            confirmed.add(n)
+
+        async with asyncio.timeout(90):
+            kills = 0
+            for start in range(0, COUNT, WINDOW):
+                await asyncio.gather(*(publish(n) for n in range(start, min(start + WINDOW, COUNT))))
+                # Two cuts, each while messages are in flight: the second only once the first has
+                # been survived, so they are two separate outages.
+                if kills == 0 and start >= 100 or kills == 1 and publisher.stats.reconnects >= 1:
+                    kills += 1
+                    killers.append(asyncio.create_task(drop_all_connections(f"fault test: cut {kills}")))
+                # Pace the stream so that it is still running when each cut lands.
+                await asyncio.sleep(0.01)
+            publishing_done = True
+            check_done()
+            await all_delivered.wait()
+            await asyncio.gather(*killers)
+
+        assert confirmed == set(range(COUNT))
+        assert seen >= confirmed
+        assert kills == 2
+        await publisher.wait_connected(30)
+        await consumer_bus.wait_connected(30)
+        assert publisher.stats.reconnects >= 2 and consumer_bus.stats.reconnects >= 2
+        assert publisher.stats.connected and consumer_bus.stats.connected
+        await publisher.check()
+        await consumer_bus.check()
+    finally:
+        for task in killers:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*killers, return_exceptions=True)
+        if consumer is not None:
+            await consumer.drain(2)
+        await cleanup_rabbit(publisher)
+        await consumer_bus.close()
+        await publisher.close()
+
+
+@pytest.mark.rabbitmq
+async def test_request_reply_works_again_after_the_connection_drops(rabbitmq_url: str) -> None:
+    server = await connected_bus(rabbitmq_url, "fault-test-server")
+    client = await connected_bus(rabbitmq_url, "fault-test-client")
+    consumer = None
+    try:
+        queue = await server.declare_queue(QueueSpec(unique_name("fault-rpc"), QueueKind.WORK))
+
+        async def answer(d: Delivery) -> None:
+            assert isinstance(d.message, Ping)
+            await server.reply(d, Pong(nonce=d.message.nonce, responder="server"))
+
+        consumer = await server.consume(queue, answer)
+        before = await client.request("", queue, Ping(nonce="before"), timeout=10)
+        assert before.message == Pong(nonce="before", responder="server")
+        await drop_all_connections("fault test: request/reply")
+        # The request waits for the reconnect (publish retries), then for the restored consumers.
+        nonce = uuid.uuid4().hex
+        after = await client.request("", queue, Ping(nonce=nonce), timeout=30)
+        assert after.message == Pong(nonce=nonce, responder="server")
+        await server.wait_connected(30)
+        await client.wait_connected(30)
+        assert client.stats.reconnects >= 1 and server.stats.reconnects >= 1
+        await client.check()
+    finally:
+        if consumer is not None:
+            await consumer.drain(2)
+        await cleanup_rabbit(server)
+        await client.close()
+        await server.close()
+
+
+async def test_first_connect_to_a_closed_port_fails_fast_with_a_clear_message() -> None:
+    bus = RabbitBus("amqp://guest:s3cret-pw@127.0.0.1:1/", connect_timeout=5)
+    async with asyncio.timeout(8):
+        with pytest.raises(BusUnavailable) as caught:
+            await bus.connect()
+    message = str(caught.value)
+    assert "amqp://guest:***@127.0.0.1:1/" in message
+    assert "s3cret-pw" not in message
+    assert not bus.stats.connected
+    with pytest.raises(BusUnavailable):
+        await bus.check()
+    await bus.close()  # closing a bus that never connected is a no-op
