@@ -198,6 +198,10 @@ class _MemoryConsumer(Consumer):
         task.add_done_callback(self._tasks.pop)
 
     async def _run(self, delivery: _MemoryDelivery, stored: _Message) -> None:
+        if not self.active:
+            # Handed over just before cancel(): not ours to start any more (as on RabbitMQ).
+            await delivery.nack(requeue=True)
+            return
         async with self._slots:
             await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
                                   queue=self.queue.name, log=log)

@@ -11,6 +11,7 @@ consumer that cancelled the handler requeues the delivery itself (see ``drain``)
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,9 @@ async def handle_delivery(
     delivery: Delivery, type_name: str | None, body: bytes, handler: Handler, *, queue: str, log: Any,
 ) -> None:
     """Decode ``body`` and run ``handler`` on it under the ack policy of :mod:`infra.bus.base`."""
-    with bound_trace(delivery.trace_id, queue=queue):
+    # A message without a trace id gets a fresh one; it only needs to be unique, not secret, and
+    # uuid4() (os.urandom) is a noticeable share of the per-message cost.
+    with bound_trace(delivery.trace_id or f"{random.getrandbits(128):032x}", queue=queue):
         try:
             delivery.message = decode_message(type_name, body)
         except ProtocolDecodeError as e:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustQueue
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
 from aio_pika.connection import make_url
 from aiormq.abc import DeliveredMessage
 
@@ -130,6 +130,7 @@ class RabbitBus(Bus):
         self._pending = PendingRequests(max_pending_requests)
         # Mirrors stats.connected for waiters: set once the (re)connect has restored the topology.
         self._up = asyncio.Event()
+        self._closing = False
 
     @property
     def redacted_url(self) -> str:
@@ -182,6 +183,7 @@ class RabbitBus(Bus):
     async def close(self) -> None:
         if self._connection is None:
             return
+        self._closing = True
         for consumer in list(self._consumers):
             await consumer.drain(0)
         self._pending.fail_all(BusUnavailable("the bus was closed while waiting for a reply"))
@@ -195,9 +197,10 @@ class RabbitBus(Bus):
                 await connection.close()
         self.stats.connected = False
         self._up.clear()
+        self._closing = False
 
     def _on_connection_lost(self, _sender: object, exc: BaseException | None = None) -> None:
-        if self.stats.connected:
+        if self.stats.connected and not self._closing:
             log.warning("bus.connection_lost", url=self.redacted_url, error=self._scrub(repr(exc)))
         self.stats.connected = False
         self._up.clear()
@@ -443,6 +446,20 @@ class RabbitBus(Bus):
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.2)
 
+    async def _consumer_gone(self, consumer: _RabbitConsumer) -> None:
+        self._consumers.discard(consumer)
+        name = consumer.queue_name
+        args = self._queue_args.get(name)
+        if args is None or not args["auto_delete"] or any(c.queue_name == name for c in self._consumers):
+            return
+        # The broker deleted the auto-delete queue with its last consumer; forget it too, or the
+        # next reconnect would declare it again (with its bindings) for nobody.
+        self._queue_args.pop(name, None)
+        self.declared_queues.discard(name)
+        if self._admin is not None and not self._closing:
+            with contextlib.suppress(BusError):
+                await self._admin_call(self._admin.queue_delete(name), f"forget queue {name!r}", timeout=5)
+
     # --- request / reply ---------------------------------------------------------------------
 
     async def request(
@@ -500,26 +517,30 @@ class RabbitBus(Bus):
 
     async def _dead_letter_copy(self, delivery: _RabbitDelivery, queue: str, reason: str) -> None:
         _, pub, _ = self._channels()
-        incoming = delivery.incoming
+        original = delivery.raw.header.properties
         properties = aiormq.spec.Basic.Properties(
-            content_type=incoming.content_type, delivery_mode=_PERSISTENT, message_type=incoming.type,
-            headers=dead_letter_headers(delivery, queue, reason), message_id=incoming.message_id,
-            correlation_id=incoming.correlation_id, reply_to=incoming.reply_to)
-        await self._send(pub, DEAD_EXCHANGE, queue, incoming.body, properties, mandatory=False, timeout=10.0)
+            content_type=original.content_type, delivery_mode=_PERSISTENT, message_type=original.message_type,
+            headers=dead_letter_headers(delivery, queue, reason), message_id=original.message_id,
+            correlation_id=original.correlation_id, reply_to=original.reply_to)
+        await self._send(pub, DEAD_EXCHANGE, queue, delivery.raw.body, properties, mandatory=False, timeout=10.0)
 
 
 class _RabbitDelivery(Delivery):
-    def __init__(self, consumer: _RabbitConsumer, incoming: AbstractIncomingMessage) -> None:
+    """A delivery read straight from aiormq (no aio-pika IncomingMessage: see _RabbitConsumer)."""
+
+    def __init__(self, consumer: _RabbitConsumer, raw: DeliveredMessage) -> None:
         super().__init__()
         self.consumer = consumer
-        self.incoming = incoming
-        self.exchange = incoming.exchange or ""
-        self.routing_key = incoming.routing_key or ""
-        self.headers = _headers(incoming.headers)
-        self.message_id = incoming.message_id
-        self.correlation_id = incoming.correlation_id
-        self.reply_to = incoming.reply_to
-        self.redelivered = bool(incoming.redelivered)
+        self.raw = raw
+        frame = raw.delivery
+        properties = raw.header.properties
+        self.exchange = frame.exchange or ""  # type: ignore[union-attr]
+        self.routing_key = frame.routing_key or ""  # type: ignore[union-attr]
+        self.headers = _headers(properties.headers)
+        self.message_id = properties.message_id
+        self.correlation_id = properties.correlation_id
+        self.reply_to = properties.reply_to
+        self.redelivered = bool(frame.redelivered)  # type: ignore[union-attr]
         count = self.headers.get(DELIVERY_COUNT_HEADER)
         if isinstance(count, int) and not isinstance(count, bool):
             self.delivery_count = count + 1
@@ -536,12 +557,12 @@ class _RabbitDelivery(Delivery):
 
     async def ack(self) -> None:
         if self._claim():
-            await self._settle("ack", self.incoming.ack())
+            await self._settle(requeue=None)
             self.consumer.bus.stats.acked += 1
 
     async def nack(self, requeue: bool = True) -> None:
         if self._claim():
-            await self._settle("nack", self.incoming.nack(requeue=requeue))
+            await self._settle(requeue=requeue)
             self.consumer.bus.stats.nacked += 1
 
     async def dead_letter(self, reason: str) -> None:
@@ -555,18 +576,33 @@ class _RabbitDelivery(Delivery):
             await self.nack(requeue=True)
             raise
         if self._claim():
-            await self._settle("ack", self.incoming.ack())
+            await self._settle(requeue=None)
             bus.stats.dead_lettered += 1
 
-    async def _settle(self, what: str, call: Any) -> None:
+    async def _settle(self, *, requeue: bool | None) -> None:
+        """basic.ack (requeue None) or basic.nack, on the channel the message came on."""
+        channel, tag = self.raw.channel, self.raw.delivery_tag
         try:
-            await call
+            if channel.is_closed:
+                raise aiormq.exceptions.ChannelInvalidStateError("the channel is closed")
+            if requeue is None:
+                await channel.basic_ack(tag)
+            else:
+                await channel.basic_nack(tag, requeue=requeue)
         except _SETTLE_ERRORS as e:
             # The channel it came on is gone, and with it the delivery: the broker redelivers it.
-            log.info("bus.settle_lost", queue=self.consumer.queue_name, settle=what, error=repr(e))
+            log.info("bus.settle_lost", queue=self.consumer.queue_name, requeue=requeue, error=repr(e))
 
 
 class _RabbitConsumer(Consumer):
+    """One consumer on its own robust channel (its own basic.qos).
+
+    Deliveries are taken from aiormq directly rather than through aio-pika's consumer: building
+    aio-pika's IncomingMessage costs more than our whole ack policy (bench/bus.py). The price is
+    that restoring the subscription after a reconnect is ours: the robust channel re-declares
+    the queue and QoS, then calls :meth:`_on_reopen`, which consumes again.
+    """
+
     def __init__(self, bus: RabbitBus, queue_name: str, handler: Handler, prefetch: int) -> None:
         self.bus = bus
         self.queue_name = queue_name
@@ -575,12 +611,12 @@ class _RabbitConsumer(Consumer):
         self.active = False
         self.unsettled: set[_RabbitDelivery] = set()
         self._tasks: dict[asyncio.Task[Any], _RabbitDelivery] = {}
+        self._resubscribe: set[asyncio.Task[None]] = set()
         # basic.qos bounds unacked messages per channel; this also bounds handlers that settle
         # early and keep running, and the old channel's handlers still running after a reconnect.
         self._slots = asyncio.Semaphore(prefetch)
         self._channel: AbstractRobustChannel | None = None
-        self._queue: AbstractRobustQueue | None = None
-        self._tag: str | None = None
+        self._tag = f"tm.{queue_name}.{uuid.uuid4().hex[:12]}"
 
     @property
     def in_flight(self) -> int:
@@ -594,12 +630,12 @@ class _RabbitConsumer(Consumer):
             # Our own queues are declared in full on this channel too: after a reconnect its
             # restore may run before the declaring channel's, and an exclusive queue is gone by then.
             if declaration is not None:
-                queue = await channel.declare_queue(self.queue_name, **declaration)
+                await channel.declare_queue(self.queue_name, **declaration)
             else:
-                queue = await channel.declare_queue(self.queue_name, passive=True)
-            self._queue = queue
+                await channel.declare_queue(self.queue_name, passive=True)
             self.active = True
-            self._tag = await queue.consume(self._on_message)
+            channel.reopen_callbacks.add(self._on_reopen)
+            await self._subscribe()
         except BaseException as e:
             self.active = False
             await self._close_channel()
@@ -609,10 +645,48 @@ class _RabbitConsumer(Consumer):
                 raise BusUnavailable(f"cannot consume {self.queue_name!r}: {e!r}") from None
             raise
 
-    async def _on_message(self, incoming: AbstractIncomingMessage) -> None:
+    async def _subscribe(self) -> None:
+        assert self._channel is not None
+        underlay = await self._channel.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(self._on_broker_cancel)
+        if self._tag not in underlay.consumers:
+            await underlay.basic_consume(self.queue_name, self._on_message, consumer_tag=self._tag, timeout=30)
+
+    async def _on_reopen(self, _channel: object) -> None:
+        if not self.active:
+            return
+        try:
+            await self._subscribe()
+        except Exception as e:  # noqa: BLE001 - the reopen machinery would swallow it silently
+            log.error("bus.resubscribe_failed", queue=self.queue_name, error=repr(e))
+
+    def _on_broker_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
+        if frame.consumer_tag != self._tag or not self.active:
+            return
+        # E.g. the queue was deleted under us: declare it again (WORK queues come back empty) and
+        # consume again once, as aio-pika's own robust consumers do.
+        log.warning("bus.consumer_cancelled_by_broker", queue=self.queue_name)
+        task = asyncio.get_running_loop().create_task(self._resubscribe_after_cancel())
+        self._resubscribe.add(task)
+        task.add_done_callback(self._resubscribe.discard)
+
+    async def _resubscribe_after_cancel(self) -> None:
+        declaration = self.bus._queue_args.get(self.queue_name)
+        try:
+            assert self._channel is not None
+            async with asyncio.timeout(30):
+                if declaration is not None:
+                    await self._channel.declare_queue(self.queue_name, **declaration)
+                else:
+                    await self._channel.declare_queue(self.queue_name, passive=True)
+                await self._subscribe()
+        except Exception as e:  # noqa: BLE001 - nothing above us to report to but the log
+            log.error("bus.resubscribe_failed", queue=self.queue_name, error=repr(e))
+
+    async def _on_message(self, raw: DeliveredMessage) -> None:
         task = asyncio.current_task()
         assert task is not None
-        delivery = _RabbitDelivery(self, incoming)
+        delivery = _RabbitDelivery(self, raw)
         self.unsettled.add(delivery)
         self._tasks[task] = delivery
         self.bus.stats.delivered += 1
@@ -622,7 +696,7 @@ class _RabbitConsumer(Consumer):
                 await delivery.nack(requeue=True)
                 return
             async with self._slots:
-                await handle_delivery(delivery, incoming.type, incoming.body, self.handler,
+                await handle_delivery(delivery, raw.header.properties.message_type, raw.body, self.handler,
                                       queue=self.queue_name, log=log)
         except asyncio.CancelledError:
             # Cut off by drain() or by the channel closing: hand it back (a no-op on a dead channel).
@@ -636,12 +710,16 @@ class _RabbitConsumer(Consumer):
         if not self.active:
             return
         self.active = False
-        if self._queue is not None and self._tag is not None:
-            # During an outage basic.cancel would wait for the reconnect; the restore will not
-            # bring this consumer back (it is forgotten first), so a bounded wait is enough.
+        for task in list(self._resubscribe):
+            task.cancel()
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            # During an outage basic.cancel would wait for the reconnect, and the reconnect will
+            # not subscribe again (we are inactive): a bounded wait is enough.
             with contextlib.suppress(TimeoutError, *_SETTLE_ERRORS):
                 async with asyncio.timeout(5):
-                    await self._queue.cancel(self._tag)
+                    underlay = await channel.get_underlay_channel()
+                    await underlay.basic_cancel(self._tag)
 
     async def drain(self, timeout: float) -> bool:
         await self.cancel()
@@ -655,9 +733,11 @@ class _RabbitConsumer(Consumer):
                 await asyncio.gather(*pending, return_exceptions=True)
         for delivery in list(self.unsettled):
             await delivery.nack(requeue=True)
+        if self._resubscribe:
+            await asyncio.gather(*self._resubscribe, return_exceptions=True)
         # Closing the channel requeues whatever the broker sent after our basic.cancel.
         await self._close_channel()
-        self.bus._consumers.discard(self)
+        await self.bus._consumer_gone(self)
         return finished
 
     async def _close_channel(self) -> None:
