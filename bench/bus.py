@@ -27,9 +27,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from infra.bus.base import Delivery, QueueKind, QueueSpec  # noqa: E402
-from infra.bus.rabbitmq import RabbitBus  # noqa: E402
-from protocol.messages import CONTENT_TYPE, Probe  # noqa: E402
+from infra.bus.base import Delivery, QueueKind, QueueSpec
+from infra.bus.rabbitmq import RabbitBus
+from protocol.messages import CONTENT_TYPE, Probe
 
 DEFAULT_URL = os.environ.get("TOASTMACHINE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
@@ -82,7 +82,7 @@ async def bench_plain(connection: aio_pika.abc.AbstractConnection, kind: QueueKi
                       prefetch: int, data: str) -> tuple[float, float]:
     name = f"bench.plain.{uuid.uuid4().hex[:8]}"
     admin = await connection.channel()
-    queue = await admin.declare_queue(name, **plain_arguments(kind, name, count))
+    await admin.declare_queue(name, **plain_arguments(kind, name, count))
     try:
         publisher = await connection.channel(publisher_confirms=True)
 

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import aio_pika
@@ -40,6 +40,7 @@ import aiormq
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
 from aio_pika.connection import make_url
 from aiormq.abc import DeliveredMessage
+from pamqp.common import FieldTable
 
 from infra.bus.base import (
     COMMANDS_EXCHANGE,
@@ -283,7 +284,8 @@ class RabbitBus(Bus):
     async def _declare(self, name: str, *, durable: bool, exclusive: bool, auto_delete: bool,
                        arguments: dict[str, Any]) -> None:
         admin, _, _ = self._channels()
-        args = {"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete, "arguments": arguments}
+        args: dict[str, Any] = {"durable": durable, "exclusive": exclusive, "auto_delete": auto_delete,
+                                "arguments": arguments}
         await self._admin_call(admin.declare_queue(name, **args), f"declare queue {name!r}")
         self._queue_args[name] = args
         self.declared_queues.add(name)
@@ -343,7 +345,7 @@ class RabbitBus(Bus):
     ) -> None:
         _, pub, _ = self._channels()
         type_name, body = encode_message(message)
-        properties = aiormq.spec.Basic.Properties(
+        properties = _properties(
             content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
             message_type=type_name, message_id=message_id, correlation_id=correlation_id)
         await self._send(pub, exchange, routing_key, body, properties, mandatory=mandatory, timeout=timeout)
@@ -364,7 +366,7 @@ class RabbitBus(Bus):
         This is how a test puts an undecodable body on the bus to watch it being dead-lettered.
         """
         _, pub, _ = self._channels()
-        properties = aiormq.spec.Basic.Properties(
+        properties = _properties(
             content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
             message_type=type_name)
         await self._send(pub, exchange, routing_key, bytes(body), properties, mandatory=mandatory,
@@ -478,7 +480,7 @@ class RabbitBus(Bus):
         correlation_id = uuid.uuid4().hex
         future = self._pending.add(correlation_id)
         try:
-            properties = aiormq.spec.Basic.Properties(
+            properties = _properties(
                 content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, message_type=type_name,
                 headers=outgoing_headers({**deadline_header(timeout), **(headers or {})}),
                 correlation_id=correlation_id, reply_to=DIRECT_REPLY_TO)
@@ -508,7 +510,7 @@ class RabbitBus(Bus):
             return
         _, pub, _ = self._channels()
         type_name, body = encode_message(message)
-        properties = aiormq.spec.Basic.Properties(
+        properties = _properties(
             content_type=CONTENT_TYPE, message_type=type_name, headers=outgoing_headers(headers),
             correlation_id=request.correlation_id)
         # Not mandatory: RabbitMQ returns mandatory publishes to reply-to addresses even when it
@@ -518,7 +520,7 @@ class RabbitBus(Bus):
     async def _dead_letter_copy(self, delivery: _RabbitDelivery, queue: str, reason: str) -> None:
         _, pub, _ = self._channels()
         original = delivery.raw.header.properties
-        properties = aiormq.spec.Basic.Properties(
+        properties = _properties(
             content_type=original.content_type, delivery_mode=_PERSISTENT, message_type=original.message_type,
             headers=dead_letter_headers(delivery, queue, reason), message_id=original.message_id,
             correlation_id=original.correlation_id, reply_to=original.reply_to)
@@ -583,7 +585,7 @@ class _RabbitDelivery(Delivery):
         """basic.ack (requeue None) or basic.nack, on the channel the message came on."""
         channel, tag = self.raw.channel, self.raw.delivery_tag
         try:
-            if channel.is_closed:
+            if channel.is_closed or tag is None:
                 raise aiormq.exceptions.ChannelInvalidStateError("the channel is closed")
             if requeue is None:
                 await channel.basic_ack(tag)
@@ -647,7 +649,7 @@ class _RabbitConsumer(Consumer):
 
     async def _subscribe(self) -> None:
         assert self._channel is not None
-        underlay = await self._channel.get_underlay_channel()
+        underlay = cast(aiormq.Channel, await self._channel.get_underlay_channel())
         underlay.on_consumer_cancel_callbacks.add(self._on_broker_cancel)
         if self._tag not in underlay.consumers:
             await underlay.basic_consume(self.queue_name, self._on_message, consumer_tag=self._tag, timeout=30)
@@ -746,6 +748,11 @@ class _RabbitConsumer(Consumer):
             with contextlib.suppress(TimeoutError, *_SETTLE_ERRORS):
                 async with asyncio.timeout(5):
                     await channel.close()
+
+
+def _properties(*, headers: dict[str, HeaderValue] | None = None, **kwargs: Any) -> aiormq.spec.Basic.Properties:
+    """AMQP properties; our header values are a subset of what an AMQP field table holds."""
+    return aiormq.spec.Basic.Properties(headers=cast(FieldTable, headers), **kwargs)
 
 
 def _headers(raw: Mapping[str, Any] | None) -> dict[str, HeaderValue]:
