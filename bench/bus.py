@@ -3,10 +3,15 @@
 Measures (a) publish-with-confirm and (b) consume-with-ack throughput of :class:`RabbitBus` with
 :class:`Probe` messages, and of plain aio-pika doing the same work: the same JSON bodies (orjson),
 the same properties, publisher confirms on, the same number of publishes in flight (a window
-awaited with ``asyncio.gather``), the same prefetch, and the same kind of queue (a quorum queue
-declared with our WORK arguments). Prints msgs/s of each and the ratio ours/plain (target >= 0.8).
+awaited with ``asyncio.gather``), the same prefetch, and the same queues (declared with our WORK
+arguments, a quorum queue, and with our NODE arguments, a classic one). Prints msgs/s of each and
+the ratio ours/plain (target >= 0.8).
 
-Run: ``python bench/bus.py [--url amqp://...] [--count N] [--window W] [--prefetch P] [--rounds R]``
+On a small machine the broker and this client share the CPUs, and quorum queues fsync, so single
+runs vary by tens of percent: the rounds alternate which side goes first and the median is shown.
+
+Run: ``python bench/bus.py [--url amqp://...] [--count N] [--window W] [--prefetch P] [--rounds R]
+[--queues work,node] [--verbose]``
 """
 
 from __future__ import annotations
@@ -128,7 +133,7 @@ async def main() -> None:
     parser.add_argument("--window", type=int, default=100, help="publishes in flight at once")
     parser.add_argument("--prefetch", type=int, default=100)
     parser.add_argument("--size", type=int, default=256, help="length of the Probe's data string")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median is reported")
     parser.add_argument("--queues", default="work,node",
                         help="queue kinds to measure: work (quorum, fsyncs: noisy) and/or node (classic)")
     parser.add_argument("--verbose", action="store_true", help="print every round")
