@@ -16,6 +16,7 @@ import pytest
 from infra.bus.base import Bus
 from infra.bus.memory import MemoryBus
 from infra.bus.rabbitmq import RabbitBus
+from protocol.errors import BusUnavailable
 
 TEST_PREFIX = "test."
 
@@ -68,6 +69,9 @@ async def bus(bus_backend: str | None, request: pytest.FixtureRequest) -> AsyncI
 
 async def cleanup_rabbit(bus: RabbitBus) -> None:
     """Delete the ``test.*`` queues and exchanges declared through ``bus`` (best effort)."""
+    with contextlib.suppress(BusUnavailable):
+        # A test that cut the connection may end before the reconnect: give it a moment.
+        await bus.wait_connected(5)
     if bus.stats.connected:
         for name in sorted(n for n in bus.declared_queues if n.startswith(TEST_PREFIX)):
             with contextlib.suppress(Exception):
