@@ -151,7 +151,11 @@ async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database
     finally:
         code = await group.stop()
     text = "\n".join(group.output)
-    assert code == 0, text
+    # honcho reports the signal it was stopped by (143 for SIGTERM), whatever its children did;
+    # what matters is that each process shut down cleanly on the SIGTERM honcho passed on.
+    assert code == 143, text
+    for name in ("web.1", "writer.1"):
+        assert re.search(rf"{re.escape(name)} stopped \(rc=0\)", text), text
     assert "Traceback" not in text
 
 
