@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from tests import services
-from tests.bus_fixtures import *  # noqa: F401,F403
-from tests.db_fixtures import *  # noqa: F401,F403
+from tests.bus_fixtures import *
+from tests.db_fixtures import *
 
 
 @pytest.fixture(scope="session")

@@ -181,7 +181,7 @@ async def _until_reconnected(url: str, timeout: float) -> None:
     """Poll /metrics until the bus reports a reconnect and is connected again."""
     import aiohttp
 
-    rx = re.compile(r"^toastmachine_bus_reconnects_total\{[^}]*\} (\d+)", re.M)
+    rx = re.compile(r"^toastmachine_bus_reconnects_total\{[^}]*\} (\d+)", re.MULTILINE)
     async with asyncio.timeout(timeout), aiohttp.ClientSession() as session:
         while True:
             async with session.get(url + "/metrics") as resp:

@@ -35,7 +35,7 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from protocol.messages import BusMessage
 
@@ -184,7 +184,7 @@ class Bus(abc.ABC):
     def __init__(self) -> None:
         self.stats = BusStats()
 
-    async def __aenter__(self) -> "Bus":
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 
