@@ -42,6 +42,17 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
 )
 
+#: Errors raised *while using* a connection that mean "the database went away" (server stopped or
+#: restarting, connection cut), as opposed to a problem with one statement. Callers answer 503.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    DatabaseUnavailable,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, "cannot connect now"
+)
+
 
 class Database:
     """An asyncpg pool with JSON codecs, a health check and an idempotent close.
