@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from actors.web import health
+from actors.web import agents, health
 from actors.web.context import NODE
 from infra.http import make_middleware
 from infra.runtime import Actor
@@ -23,6 +23,7 @@ def make_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[make_middleware(node.metrics)], client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     health.add_routes(app)
+    agents.add_routes(app)
     return app
 
 
