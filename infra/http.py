@@ -16,12 +16,12 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from infra.db.pool import UNAVAILABLE_ERRORS as DB_UNAVAILABLE_ERRORS
 from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
 from protocol.errors import (
     ApiError,
     BusUnavailable,
-    DatabaseUnavailable,
     InternalError,
     MethodNotAllowed,
     NotFound,
@@ -76,8 +76,9 @@ def make_middleware(metrics: Metrics | None = None) -> Any:
                 if e.status < 400:  # redirects and the like are not errors
                     raise
                 response = error_response(_from_http_exception(e))
-            except DatabaseUnavailable:
-                log.warning("http.database_unavailable")
+            except DB_UNAVAILABLE_ERRORS as e:
+                # PostgreSQL stopped, restarting or unreachable: a 503 the client can retry, not a 500.
+                log.warning("http.database_unavailable", error=repr(e))
                 response = error_response(ServiceUnavailable(
                     "The database is unavailable.",
                     how_to_proceed="Retry in a few seconds; nothing was changed by this request."))

@@ -8,6 +8,7 @@ import pytest
 
 from tests import services
 from tests.bus_fixtures import *
+from tests.corpus_fixtures import *
 from tests.db_fixtures import *
 
 

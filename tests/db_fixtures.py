@@ -24,6 +24,7 @@ A test that asks for any of them runs twice, once per backend::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -34,7 +35,8 @@ import pytest_asyncio
 
 from infra.db import Database, EmbeddedPostgres, apply_migrations, start_embedded
 
-__all__ = ["database_dsn", "database_server", "database_url", "db", "embedded_postgres", "with_database"]
+__all__ = ["database_dsn", "database_server", "database_url", "db", "embedded_postgres", "fresh_database",
+           "with_database"]
 
 #: Seconds allowed for creating or dropping a test database.
 ADMIN_TIMEOUT = 30.0
@@ -43,6 +45,18 @@ ADMIN_TIMEOUT = 30.0
 def with_database(dsn: str, name: str) -> str:
     """``dsn`` pointing at database ``name`` instead (host, user and query options unchanged)."""
     return urlsplit(dsn)._replace(path="/" + name).geturl()
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(server_dsn: str) -> AsyncIterator[str]:
+    """Create an empty database on the server of ``server_dsn``, yield its DSN, drop it afterwards."""
+    name = f"tm_test_{uuid.uuid4().hex[:16]}"
+    await _admin(server_dsn, f'create database "{name}"')
+    try:
+        yield with_database(server_dsn, name)
+    finally:
+        # FORCE ends sessions a failed test left open (a leaked pool, a killed child's backend).
+        await _admin(server_dsn, f'drop database if exists "{name}" with (force)')
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -68,24 +82,15 @@ def database_server(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def database_dsn(database_server: str) -> AsyncIterator[str]:
     """DSN of a fresh empty database on the backend under test, dropped after the test."""
-    name = f"tm_test_{uuid.uuid4().hex[:16]}"
-    await _admin(database_server, f'create database "{name}"')
-    try:
-        yield with_database(database_server, name)
-    finally:
-        # FORCE ends sessions a failed test left open (a leaked pool, a killed child's backend).
-        await _admin(database_server, f'drop database if exists "{name}" with (force)')
+    async with fresh_database(database_server) as dsn:
+        yield dsn
 
 
 @pytest.fixture
 async def database_url(postgres_url: str) -> AsyncIterator[str]:
     """A fresh database on the real PostgreSQL server only (for tests of processes run against it)."""
-    name = f"tm_test_{uuid.uuid4().hex[:16]}"
-    await _admin(postgres_url, f'create database "{name}"')
-    try:
-        yield with_database(postgres_url, name)
-    finally:
-        await _admin(postgres_url, f'drop database if exists "{name}" with (force)')
+    async with fresh_database(postgres_url) as dsn:
+        yield dsn
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import uuid
 import orjson
 from aiohttp import web
 
-from actors.web.auth import AuthenticatedAgent, authenticate
+from actors.web.auth import authenticate, require_onboarded
 from actors.web.context import NODE
 from infra.bus.base import COMMANDS_EXCHANGE
 from infra.ratelimit import KeyedTokenBucket
@@ -31,12 +31,11 @@ from protocol.errors import (
     BadRequest,
     GatewayTimeout,
     NotFound,
-    PreconditionRequired,
     RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
-    UnsupportedMediaType,
     Unroutable,
+    UnsupportedMediaType,
 )
 from protocol.messages import ErrorReply
 
@@ -79,7 +78,7 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
     target = _path_id(request, "id", target_kind) if target_kind is not None else None
     body = await read_json_body(request, allow_empty=allow_empty)
     token = validate_operation_token(request.headers.get(OPERATION_TOKEN_HEADER))
-    _require_onboarded(agent)
+    require_onboarded(agent)
     wait = request.app[WRITE_ADMISSION].take(agent.agent_id)
     if wait > 0:
         raise TooManyRequests(
@@ -114,14 +113,6 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
                        how_to_proceed=message.how_to_proceed, extra=message.extra)
     raise ServiceUnavailable("The writer answered with something unexpected; the outcome is unknown.",
                              how_to_proceed="Retry the identical request with the same Operation-Token.")
-
-
-def _require_onboarded(agent: AuthenticatedAgent) -> None:
-    if not agent.onboarded:
-        raise PreconditionRequired(
-            "Read the guide before your first write.", code="onboarding_required",
-            how_to_proceed="GET /guide with your credential, then retry this identical request with the "
-                           "same Operation-Token.")
 
 
 async def create_conversation(request: web.Request) -> web.Response:
