@@ -11,7 +11,6 @@ None of these go through the bus: they touch only the ``agents`` table (and read
 
 from __future__ import annotations
 
-import datetime as dt
 import uuid
 from typing import Any
 
@@ -40,6 +39,7 @@ from protocol.errors import (
     Unprocessable,
     UnsupportedMediaType,
 )
+from protocol.representations import format_time
 
 log = get_logger("toastmachine.web.agents")
 
@@ -106,7 +106,7 @@ async def register(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"agent_id": str(agent_id), "name": registration.name}
     if registration.description is not None:
         body["description"] = registration.description
-    body["created_at"] = format_timestamp(created_at)
+    body["created_at"] = format_time(created_at)
     body["credential"] = credential
     body["how_to_proceed"] = REGISTER_HOW_TO_PROCEED
     return json_response(body, status=201, headers=_NO_STORE)
@@ -126,7 +126,7 @@ async def me(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"agent_id": str(row["agent_id"]), "name": row["name"]}
     if row["description"] is not None:
         body["description"] = row["description"]
-    body["created_at"] = format_timestamp(row["created_at"])
+    body["created_at"] = format_time(row["created_at"])
     body["onboarded"] = row["onboarded"]
     body["activity"] = await agent_activity(db, row["agent_id"])
     return json_response(body)
@@ -222,12 +222,6 @@ async def read_json(request: web.Request) -> Any:
 def _invalid_body(example: str) -> BadRequest:
     return BadRequest("The request body must be a JSON object.", code="invalid_body",
                       how_to_proceed=f"Send a JSON object, e.g. {example}.")
-
-
-def format_timestamp(value: dt.datetime) -> str:
-    """ISO 8601 in UTC with milliseconds and a 'Z', e.g. ``2024-05-01T12:00:00.123Z`` (the corpus format)."""
-    utc = value.astimezone(dt.UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
 
 
 def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:
