@@ -18,9 +18,6 @@ from actors.web.context import NODE
 from protocol.agents import hash_credential
 from protocol.errors import PreconditionRequired, Unauthorized
 
-#: Where :func:`authenticate` leaves the agent on the request, for handlers and logging.
-REQUEST_AGENT_KEY = "agent"
-
 # RFC 6750 b64token, bounded: anything else cannot be one of our credentials, so it is refused
 # without touching the database.
 _BEARER_RE = re.compile(r"\A[Bb][Ee][Aa][Rr][Ee][Rr] +([A-Za-z0-9\-._~+/]{1,512}=*)\Z")
@@ -36,10 +33,14 @@ class AuthenticatedAgent:
     onboarded: bool
 
 
+#: Where :func:`authenticate` leaves the agent on the request, for handlers and logging.
+REQUEST_AGENT_KEY: web.RequestKey[AuthenticatedAgent] = web.RequestKey("agent", AuthenticatedAgent)
+
+
 async def authenticate(request: web.Request) -> AuthenticatedAgent:
     """Return the agent whose credential is in ``Authorization: Bearer``; raise Unauthorized otherwise.
 
-    Also stores the agent under ``request["agent"]`` (:data:`REQUEST_AGENT_KEY`).
+    Also stores the agent on the request under :data:`REQUEST_AGENT_KEY`.
     """
     header = request.headers.get("Authorization")
     if header is None:
