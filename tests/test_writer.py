@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from actors.writer import WRITER_QUEUE, CorpusWriter
 from infra.bus.base import (
@@ -16,8 +19,10 @@ from infra.bus.base import (
     QueueKind,
     QueueSpec,
 )
+from infra.db import Database, ensure_identity
+from protocol.commands import WriteCommand
 from protocol.errors import LineageMismatch
-from protocol.messages import ErrorReply, Ping, Pong, Probe
+from protocol.messages import BusMessage, ErrorReply, Ping, Pong, Probe, register
 
 
 async def test_ping_round_trip(bus: Bus) -> None:
@@ -90,6 +95,77 @@ async def test_expired_commands_are_skipped(bus: Bus) -> None:
         assert isinstance(reply.message, ErrorReply)
         async with asyncio.timeout(10):
             assert await first == 2
+    finally:
+        await writer.stop(grace=2)
+        await watcher.drain(1)
+
+
+@register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fussy(BusMessage):
+    """A test command whose decoder refuses negative numbers: how a receiver meets a body it cannot decode."""
+
+    TYPE: ClassVar[str] = "test.fussy"
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError("n must not be negative")
+
+
+def _unchecked_fussy(n: int) -> Fussy:
+    # The sender's copy skips the check (an older or foreign sender); the receiver's decoder applies it.
+    message = object.__new__(Fussy)
+    object.__setattr__(message, "n", n)
+    return message
+
+
+async def _watch_dead(bus: Bus, want: Callable[[Delivery], bool]) -> tuple[asyncio.Future[Delivery], Any]:
+    dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
+    await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
+    seen: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
+
+    async def on_dead(d: Delivery) -> None:
+        if want(d) and not seen.done():
+            seen.set_result(d)
+
+    return seen, await bus.consume(dead, on_dead, prefetch=10)
+
+
+async def test_undecodable_command_is_answered_at_once_and_dead_lettered(bus: Bus) -> None:
+    dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
+    await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
+    writer = CorpusWriter(bus, node_id="w")
+    await writer.start()
+    try:
+        # The deadline is far away: an answer within it can only be the immediate error reply.
+        reply = await bus.request(COMMANDS_EXCHANGE, Fussy.TYPE, _unchecked_fussy(-1), timeout=60)
+        assert isinstance(reply.message, ErrorReply)
+        assert (reply.message.status, reply.message.code) == (400, "undecodable_command")
+        # The dead letter cannot be decoded either, so it is read raw.
+        raw = await bus.fetch_raw(dead, timeout=10)  # type: ignore[attr-defined]
+        assert raw is not None and raw.type_name == Fussy.TYPE
+        assert "n must not be negative" in str(raw.headers[DEAD_REASON_HEADER])
+    finally:
+        await writer.stop(grace=2)
+
+
+async def test_write_failing_validation_past_the_edge_is_answered_and_dead_lettered(bus: Bus, db: Database) -> None:
+    identity = await ensure_identity(db, None, None)
+    seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand))
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
+    await writer.start()
+    try:
+        forged = WriteCommand(operation="conversation.create", target=None, body={"subject": "", "content": "x"},
+                              author_id=str(uuid.uuid4()), author_name="nobody", token="t-1")
+        reply = await bus.request(COMMANDS_EXCHANGE, forged.operation, forged, timeout=60)
+        assert isinstance(reply.message, ErrorReply)
+        assert (reply.message.status, reply.message.code) == (422, "validation_failed")
+        assert reply.message.extra == {"field": "subject"}
+        async with asyncio.timeout(10):
+            d = await seen
+        assert "failed validation past the edge" in str(d.headers[DEAD_REASON_HEADER])
+        assert await db.pool.fetchval("select count(*) from changes") == 0
     finally:
         await writer.stop(grace=2)
         await watcher.drain(1)

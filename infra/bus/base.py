@@ -16,7 +16,8 @@ Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, o
   that raises :class:`ProtocolDecodeError` dead-letters the delivery with the reason; one that
   raises anything else nacks with requeue, so the message is redelivered with ``redelivered=True``
   and a higher ``delivery_count`` until the delivery limit dead-letters it.
-* A body that the codec cannot decode never reaches the handler: it is dead-lettered with the reason.
+* A body that the codec cannot decode never reaches the handler: it is dead-lettered with the reason,
+  and when it is a request its requester gets an ``ErrorReply`` (400 ``undecodable_command``) at once.
 * A message taken but not settled by a consumer that is cancelled, crashes or loses its connection
   is redelivered (``redelivered=True``) to another or the same consumer.
 * Dead letters land on the topic exchange ``tm.dead`` with routing key = the queue name and header

@@ -204,7 +204,7 @@ class _MemoryConsumer(Consumer):
             return
         async with self._slots:
             await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
-                                  queue=self.queue.name, log=log)
+                                  queue=self.queue.name, log=log, reply=self.bus.reply)
 
     def _settled(self, delivery: _MemoryDelivery) -> None:
         self.unsettled.discard(delivery)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from infra.bus.base import DEAD_REASON_HEADER, Delivery, Handler, HeaderValue
 from infra.logs import TRACE_HEADER, bound_trace, current_trace_id
 from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError
-from protocol.messages import BusMessage, decode_message
+from protocol.messages import BusMessage, ErrorReply, decode_message
 
 #: Where a dead letter was first published (exchange and routing key), beside x-tm-dead-reason.
 DEAD_EXCHANGE_HEADER = "x-tm-dead-exchange"
@@ -57,8 +57,14 @@ def dead_letter_headers(delivery: Delivery, queue: str, reason: str) -> dict[str
 
 async def handle_delivery(
     delivery: Delivery, type_name: str | None, body: bytes, handler: Handler, *, queue: str, log: Any,
+    reply: Callable[[Delivery, BusMessage], Awaitable[None]] | None = None,
 ) -> None:
-    """Decode ``body`` and run ``handler`` on it under the ack policy of :mod:`infra.bus.base`."""
+    """Decode ``body`` and run ``handler`` on it under the ack policy of :mod:`infra.bus.base`.
+
+    ``reply`` (the bus's :meth:`~infra.bus.base.Bus.reply`) answers a request whose body cannot be
+    decoded with an :class:`~protocol.messages.ErrorReply` at once, so its requester does not wait
+    for its deadline; the message itself is dead-lettered with the reason.
+    """
     # A message without a trace id gets a fresh one; it only needs to be unique, not secret, and
     # uuid4() (os.urandom) is a noticeable share of the per-message cost.
     with bound_trace(delivery.trace_id or f"{random.getrandbits(128):032x}", queue=queue):
@@ -66,6 +72,8 @@ async def handle_delivery(
             delivery.message = decode_message(type_name, body)
         except ProtocolDecodeError as e:
             log.warning("bus.undecodable", queue=queue, error=str(e))
+            if reply is not None and delivery.reply_to:
+                await _answer_undecodable(delivery, str(e), reply, log)
             await _dead_letter(delivery, str(e), log)
             return
         try:
@@ -83,6 +91,16 @@ async def handle_delivery(
             return
         if not delivery.settled:
             await delivery.ack()
+
+
+async def _answer_undecodable(delivery: Delivery, reason: str,
+                              reply: Callable[[Delivery, BusMessage], Awaitable[None]], log: Any) -> None:
+    try:
+        await reply(delivery, ErrorReply(
+            status=400, code="undecodable_command", message=f"The receiving actor could not decode the command: {reason}",
+            how_to_proceed="The sender and the receiver disagree about the message format; upgrade the older one."))
+    except BusError as e:
+        log.warning("bus.undecodable_reply_failed", error=str(e))  # the requester times out instead
 
 
 async def _dead_letter(delivery: Delivery, reason: str, log: Any) -> None:

@@ -699,7 +699,7 @@ class _RabbitConsumer(Consumer):
                 return
             async with self._slots:
                 await handle_delivery(delivery, raw.header.properties.message_type, raw.body, self.handler,
-                                      queue=self.queue_name, log=log)
+                                      queue=self.queue_name, log=log, reply=self.bus.reply)
         except asyncio.CancelledError:
             # Cut off by drain() or by the channel closing: hand it back (a no-op on a dead channel).
             if not delivery.settled:
