@@ -21,12 +21,14 @@ from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
 from protocol.errors import (
     ApiError,
+    BadRequest,
     BusUnavailable,
     InternalError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    UnsupportedMediaType,
 )
 
 log = get_logger("toastmachine.http")
@@ -100,3 +102,20 @@ def make_middleware(metrics: Metrics | None = None) -> Any:
             return response
 
     return middleware
+
+
+async def read_json(request: web.Request, *, allow_empty: bool = False) -> object:
+    """The request's JSON body: 415 unless application/json, 413 over the size cap, 400 if malformed.
+
+    With ``allow_empty``, an empty body (with or without a Content-Type) reads as ``{}``.
+    """
+    body = await request.read()  # aiohttp raises 413 past client_max_size; the middleware renders it
+    if allow_empty and not body.strip():
+        return {}
+    if request.content_type != "application/json":
+        raise UnsupportedMediaType()
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise BadRequest("The request body is not valid JSON.", code="invalid_json",
+                         how_to_proceed="Send a JSON object encoded as UTF-8.") from None

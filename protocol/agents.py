@@ -15,6 +15,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from protocol.errors import BadRequest, Unprocessable
+from protocol.validation import expect_object, reject_unknown
 
 #: Agent names: 3-32 ASCII letters, digits, '_' or '-' (the same rule as the database check).
 #: Anchored with ``\A`` / ``\Z`` so ``match`` cannot accept a trailing newline.
@@ -56,16 +57,8 @@ def validate_registration(body: object) -> Registration:
     ``validation_failed`` for unknown fields (``extra = {"fields": [...]}``) or a bad ``name`` /
     ``description`` (``extra = {"field": ...}``).
     """
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.", code="invalid_body",
-                         how_to_proceed='Send a JSON object such as {"name": "my-agent"}.')
-    unknown = sorted(str(k) for k in body if k not in REGISTRATION_FIELDS)
-    if unknown:
-        raise Unprocessable(
-            f"Unknown field(s): {', '.join(unknown)}.",
-            how_to_proceed="Send only 'name' and, optionally, 'description'.",
-            extra={"fields": unknown},
-        )
+    body = expect_object(body, example='{"name": "my-agent"}')
+    reject_unknown(body, REGISTRATION_FIELDS)
     name = body.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
         problem = "is required" if name is None else "must be a string" if not isinstance(name, str) else "is not valid"

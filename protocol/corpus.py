@@ -17,14 +17,15 @@ import hashlib
 import re
 import unicodedata
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from protocol.errors import ApiError, BadRequest, Unprocessable
+from protocol.errors import ApiError, Unprocessable
 from protocol.schemas import catalogue
+from protocol.validation import expect_object, reject_unknown
 
 # --- limits (SPEC §2) -----------------------------------------------------------------------------
 
@@ -97,21 +98,6 @@ def extract_mentions(content: str | None) -> list[str]:
 
 
 # --- field validators -------------------------------------------------------------------------------
-
-
-def expect_object(body: object) -> dict[str, Any]:
-    """A write body must be a JSON object."""
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object.", code="invalid_body",
-                         how_to_proceed="Send a JSON object, e.g. {\"content\": \"hello\"}.")
-    return body
-
-
-def _only(body: Mapping[str, Any], allowed: Iterable[str]) -> None:
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise _invalid(unknown[0], f"Unknown field(s): {', '.join(unknown)}.",
-                       how_to_proceed=f"Send only these fields: {', '.join(sorted(allowed))}.")
 
 
 def _has_control(text: str, *, allow_newlines: bool) -> bool:
@@ -311,21 +297,21 @@ WriteRequest = NewConversation | NewMessage | NewRelationship | NewRetraction
 
 def validate_new_conversation(body: object) -> NewConversation:
     data = expect_object(body)
-    _only(data, ("subject", *_MESSAGE_FIELDS))
+    reject_unknown(data, ("subject", *_MESSAGE_FIELDS))
     subject = validate_subject(data.get("subject"))
     return NewConversation(subject=subject, message=_validate_draft(data, allow_reply_to=False))
 
 
 def validate_new_message(conversation_id: str, body: object) -> NewMessage:
     data = expect_object(body)
-    _only(data, _MESSAGE_FIELDS)
+    reject_unknown(data, _MESSAGE_FIELDS)
     return NewMessage(conversation_id=validate_uuid(conversation_id, "conversation_id"),
                       message=_validate_draft(data, allow_reply_to=True))
 
 
 def validate_new_relationship(body: object) -> NewRelationship:
     data = expect_object(body)
-    _only(data, ("type", "source_message_id", "target_message_id"))
+    reject_unknown(data, ("type", "source_message_id", "target_message_id"))
     kind = data.get("type")
     if not isinstance(kind, str) or kind not in RELATIONSHIP_TYPES:
         raise _invalid("type", f"'type' must be one of: {', '.join(RELATIONSHIP_TYPES)}.")
@@ -338,7 +324,7 @@ def validate_new_relationship(body: object) -> NewRelationship:
 
 def validate_new_retraction(relationship_id: str, body: object) -> NewRetraction:
     data = expect_object(body)
-    _only(data, ())
+    reject_unknown(data, ())
     return NewRetraction(relationship_id=validate_uuid(relationship_id, "relationship_id"))
 
 

@@ -15,13 +15,12 @@ import uuid
 from typing import Any
 
 import asyncpg
-import orjson
 from aiohttp import web
 
 from actors.web.auth import authenticate
 from actors.web.context import NODE
 from infra.db.pool import Database, Target
-from infra.http import json_response
+from infra.http import json_response, read_json
 from infra.logs import get_logger
 from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
 from protocol.agents import (
@@ -32,14 +31,12 @@ from protocol.agents import (
     validate_registration,
 )
 from protocol.errors import (
-    BadRequest,
     Conflict,
     NotAcceptable,
     TooManyRequests,
-    Unprocessable,
-    UnsupportedMediaType,
 )
 from protocol.representations import format_time
+from protocol.validation import expect_object, reject_unknown
 
 log = get_logger("toastmachine.web.agents")
 
@@ -138,15 +135,7 @@ async def operation_tokens(request: web.Request) -> web.Response:
     Takes no input: the body may be empty or ``{}``.
     """
     await authenticate(request)
-    raw = await request.read()
-    if raw.strip():
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise _invalid_body('{}')
-        if body:
-            fields = sorted(str(k) for k in body)
-            raise Unprocessable(f"Unknown field(s): {', '.join(fields)}.",
-                                how_to_proceed="Send an empty body or {}.", extra={"fields": fields})
+    reject_unknown(expect_object(await read_json(request, allow_empty=True), example="{}"), ())
     return json_response(
         {"operation_token": str(uuid.uuid4()), "how_to_proceed": OPERATION_TOKEN_HOW_TO_PROCEED},
         status=201, headers=_NO_STORE,
@@ -201,27 +190,6 @@ async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str,
         "conversation_count": row["conversation_count"],
         "last_sequence": row["last_sequence"],
     }
-
-
-async def read_json(request: web.Request) -> Any:
-    """The request body decoded as JSON, for routes that take ``application/json``.
-
-    415 unless the Content-Type is application/json; 413 (via the error middleware) above the
-    app's body limit; 400 ``invalid_json`` when the bytes are not JSON.
-    """
-    if request.content_type != _JSON:
-        raise UnsupportedMediaType()
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("The request body is not valid JSON.", code="invalid_json",
-                         how_to_proceed="Send a well-formed UTF-8 JSON object.") from None
-
-
-def _invalid_body(example: str) -> BadRequest:
-    return BadRequest("The request body must be a JSON object.", code="invalid_body",
-                      how_to_proceed=f"Send a JSON object, e.g. {example}.")
 
 
 def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:

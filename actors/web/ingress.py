@@ -16,26 +16,24 @@ from __future__ import annotations
 
 import uuid
 
-import orjson
 from aiohttp import web
 
 from actors.web.auth import authenticate, require_onboarded
 from actors.web.context import NODE
 from infra.bus.base import COMMANDS_EXCHANGE
+from infra.http import read_json
 from infra.ratelimit import KeyedTokenBucket
 from protocol import corpus
 from protocol.agents import validate_operation_token
 from protocol.commands import WriteCommand, WriteResult
 from protocol.errors import (
     ApiError,
-    BadRequest,
     GatewayTimeout,
     NotFound,
     RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
     Unroutable,
-    UnsupportedMediaType,
 )
 from protocol.messages import ErrorReply
 
@@ -43,23 +41,6 @@ OPERATION_TOKEN_HEADER = "Operation-Token"
 REPLAYED_HEADER = "Idempotent-Replayed"
 
 WRITE_ADMISSION: web.AppKey[KeyedTokenBucket] = web.AppKey("write_admission", KeyedTokenBucket)
-
-
-async def read_json_body(request: web.Request, *, allow_empty: bool = False) -> object:
-    """The request's JSON body: 415 unless application/json, 413 over the size cap, 400 if malformed.
-
-    With ``allow_empty``, an empty body (with or without a Content-Type) reads as ``{}``.
-    """
-    body = await request.read()  # aiohttp raises 413 past client_max_size; the middleware renders it
-    if allow_empty and not body.strip():
-        return {}
-    if request.content_type != "application/json":
-        raise UnsupportedMediaType()
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise BadRequest("The request body is not valid JSON.", code="invalid_json",
-                         how_to_proceed="Send a JSON object encoded as UTF-8.") from None
 
 
 def _path_id(request: web.Request, name: str, what: str) -> str:
@@ -76,7 +57,7 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
     node = request.app[NODE]
     agent = await authenticate(request)
     target = _path_id(request, "id", target_kind) if target_kind is not None else None
-    body = await read_json_body(request, allow_empty=allow_empty)
+    body = await read_json(request, allow_empty=allow_empty)
     token = validate_operation_token(request.headers.get(OPERATION_TOKEN_HEADER))
     require_onboarded(agent)
     wait = request.app[WRITE_ADMISSION].take(agent.agent_id)
