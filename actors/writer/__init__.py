@@ -61,21 +61,22 @@ class GroupCommit:
     """Collects prepared commands and applies them in batches, ``workers`` transactions at a time.
 
     There is no linger: a worker takes whatever is waiting the moment it is free, so a lone command
-    is applied at once and a burst is applied in few transactions. The queue is bounded by the
-    consumer's prefetch (every job belongs to an unsettled delivery).
+    is applied at once and a burst is applied in few transactions. The queue holds at most
+    ``max_pending`` jobs; with ``max_pending`` = the consumer's prefetch, submit never waits (every job
+    belongs to an unsettled delivery), and if it ever had to, it would wait rather than grow.
     """
 
-    def __init__(self, store: CorpusStore, *, max_batch: int = DEFAULT_MAX_BATCH,
+    def __init__(self, store: CorpusStore, *, max_pending: int, max_batch: int = DEFAULT_MAX_BATCH,
                  workers: int = DEFAULT_BATCH_WORKERS) -> None:
         self.store = store
         self.max_batch = max_batch
-        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_pending)
         self._workers = [asyncio.create_task(self._work(), name=f"writer-batch-{i}") for i in range(workers)]
 
     async def submit(self, prepared: Prepared) -> tuple[Outcome, str | None]:
         """Apply ``prepared`` (with others); return its outcome and a dead-letter reason if any."""
         job = _Job(prepared, asyncio.get_running_loop().create_future())
-        self._queue.put_nowait(job)
+        await self._queue.put(job)
         return await job.done
 
     async def close(self) -> None:
@@ -160,7 +161,7 @@ class CorpusWriter(ConsumerActor):
 
     async def setup(self) -> None:
         if self._store is not None:
-            self._commit = GroupCommit(self._store, max_batch=self._max_batch)
+            self._commit = GroupCommit(self._store, max_pending=self.prefetch, max_batch=self._max_batch)
         await super().setup()
 
     async def close(self) -> None:
