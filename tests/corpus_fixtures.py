@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from actors.web.app import make_app
 from actors.writer import CorpusWriter
 from infra.bus import make_bus
 from infra.bus.base import Bus
-from infra.config import Settings
 from infra.db import CorpusIdentity, Database, apply_migrations, ensure_identity
 from tests.db_fixtures import fresh_database
+from tests.webclient import serve, test_node
 
 __all__ = ["Agent", "Stack", "stack", "stack_backends"]
 
@@ -115,20 +115,16 @@ def stack_backends(request: pytest.FixtureRequest) -> tuple[str | None, str]:
     return request.getfixturevalue("rabbitmq_url"), request.getfixturevalue("postgres_url")
 
 
-def stack_settings(**env: str) -> Settings:
-    """Settings for a test stack: generous admission unless a test sets its own."""
-    return Settings.from_env({"TOASTMACHINE_WRITES_PER_SECOND": "100000",
-                              "TOASTMACHINE_REGISTER_PER_MINUTE": "100000", **env})
+#: Settings of a test stack: generous admission unless a test sets its own (marker ``stack_env``).
+STACK_ENV = {"TOASTMACHINE_WRITES_PER_SECOND": "100000", "TOASTMACHINE_REGISTER_PER_MINUTE": "100000"}
 
 
 @pytest.fixture
 async def stack(stack_backends: tuple[str | None, str], request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     """Web front + corpus writer on a fresh database, over the backend pair under test."""
-    from toastmachine.node import Node
-
     amqp_url, server = stack_backends
     marker = request.node.get_closest_marker("stack_env")
-    settings = stack_settings(**(marker.kwargs if marker else {}))
+    env = {**STACK_ENV, **(marker.kwargs if marker else {})}
     async with fresh_database(server) as dsn:
         db = await Database.connect(dsn, min_size=1, max_size=8, connect_timeout=10)
         bus = make_bus(amqp_url)
@@ -136,16 +132,12 @@ async def stack(stack_backends: tuple[str | None, str], request: pytest.FixtureR
             await apply_migrations(db)
             identity = await ensure_identity(db, None, None)
             await bus.connect()
-            node = Node(settings=settings, db=db, bus=bus, identity=identity, identity_error=None,
-                        database_label="test")
             writer = CorpusWriter(bus, node_id="test-writer", db=db, identity=identity)
             await writer.start()
-            client = TestClient(TestServer(make_app(node)))
-            await client.start_server()
             try:
-                yield Stack(client=client, db=db, bus=bus, writer=writer, identity=identity)
+                async with serve(make_app(test_node(db, bus, env, identity=identity))) as client:
+                    yield Stack(client=client, db=db, bus=bus, writer=writer, identity=identity)
             finally:
-                await client.close()
                 await writer.stop(grace=5)
         finally:
             await bus.close()

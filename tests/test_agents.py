@@ -10,34 +10,22 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from actors.web.agents import agent_activity
 from actors.web.app import make_app
 from infra.bus.base import Bus
-from infra.config import Settings
 from infra.db import Database
 from protocol.agents import DEFAULT_GUIDE, validate_operation_token
 from protocol.errors import BadRequest
-from toastmachine.node import Node
+from tests.webclient import serve, test_node
 
 ISO_Z = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 JSON = {"Content-Type": "application/json"}
 
 
-def _node(db: Database, bus: Bus, env: Mapping[str, str]) -> Node:
-    return Node(settings=Settings.from_env(env), db=db, bus=bus, identity=None,
-                identity_error=None, database_label="test")
-
-
-@contextlib.asynccontextmanager
-async def _client(db: Database, bus: Bus, env: Mapping[str, str]) -> AsyncIterator[TestClient]:
-    client = TestClient(TestServer(make_app(_node(db, bus, env))))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
+def _client(db: Database, bus: Bus, env: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[TestClient]:
+    return serve(make_app(test_node(db, bus, env)))
 
 
 @pytest.fixture

@@ -2,41 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
 from actors.web.app import make_app
 from infra.bus.base import Bus
-from infra.config import Settings
 from infra.db import Database
 from infra.runtime import Actor, Backoff, Supervisor
 from protocol.errors import LineageMismatch
+from tests.webclient import serve, test_node
 from toastmachine.node import Node
-
-
-def _node(db: Database, bus: Bus, **kw: object) -> Node:
-    return Node(settings=Settings.from_env({}), db=db, bus=bus, identity=None,
-                identity_error=kw.pop("identity_error", None), database_label="test")  # type: ignore[arg-type]
-
-
-@contextlib.asynccontextmanager
-async def _client(app: web.Application) -> AsyncIterator[TestClient]:
-    client = TestClient(TestServer(app))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 @pytest.fixture
 async def node(db: Database, bus: Bus) -> Node:
-    return _node(db, bus)
+    return test_node(db, bus)
 
 
 @pytest.fixture
@@ -47,7 +31,7 @@ async def client(node: Node) -> AsyncIterator[TestClient]:
         raise ValueError("SELECT password FROM agents -- secret detail")
 
     app.router.add_get("/test/explode", explode)
-    async with _client(app) as c:
+    async with serve(app) as c:
         yield c
 
 
@@ -103,11 +87,11 @@ async def test_readyz_reports_identity_mismatch_and_crashed_actors(db: Database,
         async def setup(self) -> None:
             raise RuntimeError("cannot start")
 
-    node = _node(db, bus, identity_error=LineageMismatch("x"))
+    node = test_node(db, bus, identity_error=LineageMismatch("x"))
     node.supervisor = Supervisor({"broken": Broken}, Backoff(initial=0.01, maximum=0.02))
     await node.supervisor.start(wait=None)
     try:
-        async with _client(make_app(node)) as c:
+        async with serve(make_app(node)) as c:
             resp = await c.get("/readyz")
             body = await resp.json()
             assert resp.status == 503
@@ -121,7 +105,7 @@ async def test_readyz_reports_identity_mismatch_and_crashed_actors(db: Database,
 
 async def test_readyz_when_the_database_is_gone(node: Node, db: Database) -> None:
     app = make_app(node)
-    async with _client(app) as c:
+    async with serve(app) as c:
         await db.close()
         resp = await c.get("/readyz")
         body = await resp.json()
