@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def _writer(node: Node) -> Actor:
     return CorpusWriter(node.bus, node_id=node.settings.node_id, db=node.db, identity=node.identity,
-                        identity_error=node.identity_error, prefetch=node.settings.prefetch)
+                        identity_error=node.identity_error, prefetch=node.settings.prefetch,
+                        max_batch=node.settings.writer_max_batch, linger=node.settings.writer_linger_ms / 1000)
 
 
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).

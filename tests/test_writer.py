@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -169,3 +170,25 @@ async def test_write_failing_validation_past_the_edge_is_answered_and_dead_lette
     finally:
         await writer.stop(grace=2)
         await watcher.drain(1)
+
+
+async def test_group_commit_applies_a_burst_in_one_transaction(bus: Bus, db: Database) -> None:
+    """With a linger, commands arriving together share one transaction (one xmin), each its own change."""
+    identity = await ensure_identity(db, None, None)
+    author = uuid.uuid4()
+    await db.pool.execute("insert into agents (agent_id, name, credential_hash) values ($1, 'batcher', $2)",
+                          author, hashlib.sha256(b"not a real credential").digest())
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity, max_batch=5, linger=30)
+    await writer.start()
+    try:
+        commands = [WriteCommand(operation="conversation.create", target=None,
+                                 body={"subject": f"s{i}", "content": "c"}, author_id=str(author),
+                                 author_name="batcher", token=f"t-{i}") for i in range(5)]
+        # The batch is full at 5, so it commits at once: the 30 s linger is never waited out.
+        replies = await asyncio.gather(*(bus.request(COMMANDS_EXCHANGE, c.operation, c, timeout=20)
+                                         for c in commands))
+        assert all(r.message.status == 201 for r in replies)  # type: ignore[attr-defined]
+        assert await db.pool.fetchval("select count(*) from changes") == 5
+        assert await db.pool.fetchval("select count(distinct xmin::text) from changes") == 1
+    finally:
+        await writer.stop(grace=2)

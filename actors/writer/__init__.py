@@ -60,16 +60,21 @@ class _Job:
 class GroupCommit:
     """Collects prepared commands and applies them in batches, ``workers`` transactions at a time.
 
-    There is no linger: a worker takes whatever is waiting the moment it is free, so a lone command
-    is applied at once and a burst is applied in few transactions. The queue holds at most
+    By default there is no linger: a worker takes whatever is waiting the moment it is free, so a
+    lone command is applied at once and a burst is applied in few transactions. With ``linger`` > 0
+    a worker waits up to that many seconds for a batch to fill before committing it. The queue holds at most
     ``max_pending`` jobs; with ``max_pending`` = the consumer's prefetch, submit never waits (every job
     belongs to an unsettled delivery), and if it ever had to, it would wait rather than grow.
     """
 
     def __init__(self, store: CorpusStore, *, max_pending: int, max_batch: int = DEFAULT_MAX_BATCH,
-                 workers: int = DEFAULT_BATCH_WORKERS) -> None:
+                 linger: float = 0.0, workers: int = DEFAULT_BATCH_WORKERS) -> None:
         self.store = store
         self.max_batch = max_batch
+        self.linger = linger
+        # One worker at a time gathers a batch; the others apply theirs meanwhile. Batches thus
+        # form one after the other instead of splitting a burst between idle workers.
+        self._gathering = asyncio.Lock()
         self._queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=max_pending)
         self._workers = [asyncio.create_task(self._work(), name=f"writer-batch-{i}") for i in range(workers)]
 
@@ -93,9 +98,15 @@ class GroupCommit:
 
     async def _work(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            async with self._gathering:
+                batch = [await self._queue.get()]
+                if self.linger > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.linger):
+                            while len(batch) < self.max_batch:
+                                batch.append(await self._queue.get())
+                while len(batch) < self.max_batch and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
             await self._apply(batch)
 
     async def _apply(self, batch: list[_Job]) -> None:
@@ -143,6 +154,7 @@ class CorpusWriter(ConsumerActor):
             then refused with 503 ``lineage_unavailable``.
         prefetch: unsettled commands at a time (bounds the group-commit queue too).
         max_batch: most commands in one transaction.
+        linger: seconds to wait for a batch to fill (0: commit what is waiting at once).
     """
 
     name = "writer"
@@ -151,17 +163,19 @@ class CorpusWriter(ConsumerActor):
 
     def __init__(self, bus: Bus, *, node_id: str, db: Database | None = None,
                  identity: CorpusIdentity | None = None, identity_error: LineageMismatch | None = None,
-                 prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+                 prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH, linger: float = 0.0) -> None:
         super().__init__(bus, prefetch=prefetch)
         self.node_id = node_id
         self.identity_error = identity_error
         self._store = CorpusStore(db, identity) if db is not None and identity is not None else None
         self._max_batch = max_batch
+        self._linger = linger
         self._commit: GroupCommit | None = None
 
     async def setup(self) -> None:
         if self._store is not None:
-            self._commit = GroupCommit(self._store, max_pending=self.prefetch, max_batch=self._max_batch)
+            self._commit = GroupCommit(self._store, max_pending=self.prefetch, max_batch=self._max_batch,
+                                       linger=self._linger)
         await super().setup()
 
     async def close(self) -> None:
