@@ -1,0 +1,668 @@
+"""The HTTP write path of a multi-process node against plain asyncpg inserts, in the same run.
+
+Ours: ``--concurrency`` agents (default 64) post messages over HTTP to a node run the way the
+Procfile runs it, as separate OS processes: ``toastmachine web`` and ``toastmachine run writer``,
+on RabbitMQ and a fresh PostgreSQL database. Each agent registers, reads the guide, creates its own
+conversation, then appends messages to it, a fresh Operation-Token per write. Admission limits are
+raised out of the way; everything else is the node's defaults.
+
+Baseline, in the same run and at the same concurrency: the same rows a write produces (a
+``messages`` row and a ``changes`` row holding the same ~600-byte event envelope, its sequence from
+``change_sequence``) inserted by plain asyncpg, one transaction per write, into a second fresh,
+migrated database. The baseline has no HTTP, no authentication, no bus, no idempotency record and
+no sequence advisory lock; it does pay one transaction (and one WAL flush) per write, which the
+writer's group commit shares between many writes.
+
+Prints accepted writes/s and client-observed p50/p99 latency of each, the ratio ours/baseline
+(target >= 0.5) and whether ours meets p99 <= 50 ms; then checks that the node's database holds
+exactly one message per 201 answer, and shows where ours spends its time (server-side latency,
+the writer's transactions per write, CPU used by each process).
+
+The broker, the database, both node processes and this client share the machine's CPUs, and both
+sides fsync, so single runs vary by tens of percent: the rounds alternate which side goes first and
+the median of the rounds is shown. Only the ratio compares across runs.
+
+The node gets a private RabbitMQ virtual host (made with ``rabbitmqctl``, deleted at the end) so
+that no other writer on the broker consumes its commands; ``--vhost shared`` uses the URL as given.
+
+Run: ``python bench/write.py [--writes N] [--warmup N] [--concurrency C] [--rounds R] [--size S]
+[--amqp-url amqp://...] [--database-url postgresql://...] [--vhost private|shared] [--logs DIR]
+[--verbose]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import aiohttp
+import asyncpg
+import orjson
+import structlog
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from infra.bus.base import COMMANDS_EXCHANGE
+from infra.bus.rabbitmq import RabbitBus
+from protocol import corpus
+from protocol import representations as rep
+from protocol.messages import Ping, Pong
+from tests.procs import NodeProcess, clean_env, start
+
+DEFAULT_AMQP_URL = os.environ.get("TOASTMACHINE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+DEFAULT_DATABASE_URL = os.environ.get("TOASTMACHINE_TEST_DATABASE_URL",
+                                      "postgresql://postgres@127.0.0.1:5432/postgres")
+#: Targets of the issue: accepted writes/s at least this share of the raw rate, p99 at most this.
+TARGET_RATIO = 0.5
+TARGET_P99_MS = 50.0
+#: Seconds a node process gets to exit after SIGTERM before it is killed.
+STOP_TIMEOUT = 30.0
+APPEND_ROUTE = "/conversations/{id}/messages"
+
+BASELINE_INCLUDES = ("a pooled connection per write, BEGIN, INSERT messages, nextval('change_sequence'), "
+                     "INSERT changes (the same event envelope), COMMIT")
+BASELINE_EXCLUDES = ("HTTP, authentication, admission, validation, the bus round trip, the operations "
+                     "(idempotency) row, savepoints, the sequence advisory lock")
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Round:
+    """One measured run of ``count`` writes by one side."""
+
+    elapsed: float
+    latencies: list[float]  # seconds, accepted writes only
+    failures: Counter[str]
+    cpu: dict[str, float] = field(default_factory=dict)  # CPUs busy on average, per process group
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.elapsed
+
+    def percentile_ms(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return 1000 * ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else math.nan
+
+
+async def drive(count: int, concurrency: int, write: Callable[[int, int], Awaitable[str | None]]) -> Round:
+    """Run ``count`` writes, ``concurrency`` at a time, each worker ``i`` writing as its own agent.
+
+    ``write(i, n)`` returns None when the write was accepted, else why not (a status or an error name).
+    """
+    latencies: list[float] = []
+    failures: Counter[str] = Counter()
+    counter = iter(range(count))
+
+    async def worker(i: int) -> None:
+        for n in counter:
+            started = time.perf_counter()
+            try:
+                failure = await write(i, n)
+            except (aiohttp.ClientError, asyncpg.PostgresError, OSError, TimeoutError) as e:
+                failure = type(e).__name__
+            if failure is None:
+                latencies.append(time.perf_counter() - started)
+            else:
+                failures[failure] += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return Round(time.perf_counter() - started, latencies, failures)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+def _pids_named(name: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (entry / "comm").read_text().strip() == name:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds all CPUs spent not idle since boot (kernel network work included, which per-process
+    times miss)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / _TICK  # minus idle and iowait
+
+
+class CpuMeter:
+    """CPU time of process groups over an interval, from /proc (Linux); empty elsewhere.
+
+    The postgres and rabbitmq groups are every such process on the machine, other users' included;
+    ``machine`` is every CPU's busy time.
+    """
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.before = {pid: _cpu_seconds(pid) for pids in groups.values() for pid in pids}
+        self.machine = _machine_busy_seconds() if groups else 0.0
+        self.started = time.perf_counter()
+
+    @classmethod
+    def start(cls, own: dict[str, int]) -> CpuMeter:
+        if not Path("/proc/self/stat").exists():
+            return cls({})
+        groups = {name: [pid] for name, pid in own.items()}
+        groups["postgres"] = _pids_named("postgres")
+        groups["rabbitmq"] = _pids_named("beam.smp")
+        return cls(groups)
+
+    def busy(self) -> dict[str, float]:
+        """CPUs busy on average since :meth:`start`, per group."""
+        wall = time.perf_counter() - self.started
+        out = {}
+        for name, pids in self.groups.items():
+            used = 0.0
+            for pid in pids:
+                before, after = self.before.get(pid), _cpu_seconds(pid)
+                if before is not None and after is not None:
+                    used += after - before
+            out[name] = used / wall
+        if self.groups:
+            out["machine"] = (_machine_busy_seconds() - self.machine) / wall
+        return out
+
+
+def quiet_product_logs() -> None:
+    """Drop info lines the product's modules log in this process (the ping bus connecting).
+
+    Their module-level loggers are bound at import, before any configuration, so they keep
+    structlog's default processor list; a filter put at its head is the one way to reach them.
+    """
+
+    def drop_below_warning(_logger: Any, method: str, event: Any) -> Any:
+        if method in ("debug", "info"):
+            raise structlog.DropEvent
+        return event
+
+    structlog.get_config()["processors"].insert(0, drop_below_warning)
+
+
+# --- services -----------------------------------------------------------------------------------
+
+
+async def _run(*argv: str, env: dict[str, str] | None = None) -> None:
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT, env=env, cwd=ROOT)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        text = out.decode(errors="replace").strip()
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {text}")
+
+
+@contextlib.asynccontextmanager
+async def private_vhost(amqp_url: str, mode: str, name: str) -> AsyncIterator[str]:
+    """Yield ``amqp_url`` on a virtual host of its own (deleted afterwards), or as given for ``shared``."""
+    if mode == "shared":
+        yield amqp_url
+        return
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        raise SystemExit("bench/write.py: rabbitmqctl not found; run with --vhost shared to use the URL's "
+                         "virtual host (other writers on that broker would then compete for the commands)")
+    user = urlsplit(amqp_url).username or "guest"
+    await _run(ctl, "-q", "add_vhost", name)
+    try:
+        await _run(ctl, "-q", "set_permissions", "-p", name, user, ".*", ".*", ".*")
+        yield urlsplit(amqp_url)._replace(path="/" + quote(name, safe="")).geturl()
+    finally:
+        await _run(ctl, "-q", "delete_vhost", name)
+
+
+@contextlib.asynccontextmanager
+async def scratch_database(server_dsn: str, name: str) -> AsyncIterator[str]:
+    """Create database ``name`` on the server of ``server_dsn``, yield its DSN, drop it afterwards."""
+    admin = await asyncpg.connect(server_dsn)
+    try:
+        await admin.execute(f'create database "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield urlsplit(server_dsn)._replace(path="/" + name).geturl()
+    finally:
+        admin = await asyncpg.connect(server_dsn)
+        try:
+            # FORCE ends sessions still open (a node process that was killed, a pool left behind).
+            await admin.execute(f'drop database if exists "{name}" with (force)')
+        finally:
+            await admin.close()
+
+
+async def stop_process(node: NodeProcess) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within :data:`STOP_TIMEOUT`."""
+    with contextlib.suppress(TimeoutError, ProcessLookupError):
+        await node.stop(STOP_TIMEOUT)
+
+
+@contextlib.asynccontextmanager
+async def node_processes(env: dict[str, str],
+                         logs: Path | None) -> AsyncIterator[tuple[NodeProcess, NodeProcess]]:
+    """Start the Procfile's two processes, web and writer; yield them once both are ready."""
+    started: list[NodeProcess] = []
+    try:
+        web = await start("web", env=env)
+        started.append(web)
+        writer = await start("run", "writer", env=env)
+        started.append(writer)
+        await asyncio.gather(web.wait_listening(60), writer.wait_for_line(r"ToastMachine running writer", 60))
+        yield web, writer
+    finally:
+        await asyncio.gather(*(stop_process(p) for p in started))
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            for label, p in zip(("web", "writer"), started, strict=False):
+                (logs / f"{label}.log").write_text("\n".join(p.output) + "\n")
+
+
+# --- ours: agents over HTTP ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Agent:
+    name: str
+    credential: str = ""
+    conversation_id: str = ""
+
+
+def content_of(n: int, size: int) -> str:
+    text = f"bench message {n}: "
+    return (text + "lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
+
+
+class HttpSide:
+    """The agents of one node and the requests they send."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, agents: list[Agent], size: int) -> None:
+        self.session = session
+        self.url = url
+        self.agents = agents
+        self.size = size
+        self.accepted = 0  # every 201 this side was ever answered, set-up included
+
+    def _headers(self, agent: Agent) -> dict[str, str]:
+        return {"Authorization": f"Bearer {agent.credential}", "Operation-Token": str(uuid.uuid4()),
+                "Content-Type": "application/json"}
+
+    async def _post(self, path: str, agent: Agent, body: dict[str, Any]) -> tuple[int, bytes]:
+        async with self.session.post(self.url + path, data=orjson.dumps(body),
+                                     headers=self._headers(agent)) as r:
+            data = await r.read()
+        if r.status == 201:
+            self.accepted += 1
+        return r.status, data
+
+    async def set_up(self) -> None:
+        """Register every agent, read the guide with it, and create its conversation."""
+
+        async def one(agent: Agent) -> None:
+            async with self.session.post(self.url + "/register", json={"name": agent.name}) as r:
+                if r.status != 201:
+                    raise RuntimeError(f"POST /register answered {r.status}: {await r.text()}")
+                agent.credential = (await r.json())["credential"]
+            async with self.session.get(self.url + "/guide",
+                                        headers={"Authorization": f"Bearer {agent.credential}"}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"GET /guide answered {r.status}: {await r.text()}")
+                await r.read()
+            body = {"subject": f"bench {agent.name}", "content": content_of(0, self.size)}
+            status, data = await self._post("/conversations", agent, body)
+            if status != 201:
+                raise RuntimeError(f"POST /conversations answered {status}: {data.decode(errors='replace')}")
+            agent.conversation_id = orjson.loads(data)["conversation"]["id"]
+
+        await asyncio.gather(*(one(a) for a in self.agents))
+
+    async def write(self, i: int, n: int) -> str | None:
+        agent = self.agents[i]
+        status, _ = await self._post(f"/conversations/{agent.conversation_id}/messages", agent,
+                                     {"content": content_of(n, self.size)})
+        return None if status == 201 else str(status)
+
+    async def server_seconds(self) -> tuple[float, float]:
+        """(sum of seconds, count) the web front measured for the append route, from /metrics."""
+        async with self.session.get(self.url + "/metrics") as r:
+            text = await r.text()
+        values = {}
+        for suffix in ("sum", "count"):
+            m = re.search(rf'^toastmachine_http_request_duration_seconds_{suffix}\{{[^}}]*'
+                          rf'route="{re.escape(APPEND_ROUTE)}"[^}}]*\}} (\S+)$', text, re.MULTILINE)
+            values[suffix] = float(m.group(1)) if m else 0.0
+        return values["sum"], values["count"]
+
+
+async def measure_ours(side: HttpSide, db: asyncpg.Connection, count: int, concurrency: int,
+                       pids: dict[str, int]) -> Round:
+    last = await db.fetchval("select coalesce(max(sequence), 0) from changes")
+    server_before = await side.server_seconds()
+    meter = CpuMeter.start(pids)
+    result = await drive(count, concurrency, side.write)
+    result.cpu = meter.busy()
+    server_after = await side.server_seconds()
+    served = server_after[1] - server_before[1]
+    if served:
+        result.extra["server_ms"] = 1000 * (server_after[0] - server_before[0]) / served
+    # Rows written by one transaction share its xmin: this counts the writer's transactions.
+    changes, transactions = await db.fetchrow(
+        "select count(*), count(distinct xmin::text) from changes where sequence > $1", last)
+    if transactions:
+        result.extra["batch"] = changes / transactions
+    return result
+
+
+async def measure_ping(amqp_url: str, count: int, concurrency: int) -> Round:
+    """The bus alone: Ping commands to the writer process and its Pong replies, the same way the web
+    front sends writes (quorum queue, publisher confirm, direct reply-to), but no HTTP and no database."""
+    bus = RabbitBus(amqp_url, connection_name="bench-write-ping")
+    await bus.connect()
+
+    async def ping(i: int, n: int) -> str | None:
+        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce=f"{i}.{n}"), timeout=30)
+        return None if isinstance(reply.message, Pong) else type(reply.message).__name__
+
+    try:
+        await drive(min(count, 500), concurrency, ping)
+        return await drive(count, concurrency, ping)
+    finally:
+        await bus.close()
+
+
+# --- baseline: plain asyncpg --------------------------------------------------------------------
+
+
+class RawSide:
+    """The baseline database: one agent and one conversation per worker, and the raw write."""
+
+    def __init__(self, dsn: str, concurrency: int, size: int) -> None:
+        self.dsn = dsn
+        self.concurrency = concurrency
+        self.size = size
+        self.corpus_id, self.lineage = str(uuid.uuid4()), str(uuid.uuid4())
+        self.agents: list[tuple[str, str]] = []  # (agent_id, name)
+        self.conversations: list[tuple[str, int]] = []  # (conversation_id, partition)
+        self.pool: asyncpg.Pool | None = None
+
+    async def set_up(self, tag: str) -> None:
+        # The product's own command (infra.db.apply_migrations), in a process of its own so that its
+        # log lines stay out of this one's output.
+        await _run(sys.executable, "-m", "toastmachine.cli", "migrate",
+                   env=clean_env(TOASTMACHINE_DATABASE_URL=self.dsn))
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            for i in range(self.concurrency):
+                agent_id, name = str(uuid.uuid4()), f"raw{tag}_{i}"
+                conversation_id, root_id = str(uuid.uuid4()), str(uuid.uuid4())
+                partition, now = corpus.partition_of(conversation_id), rep.now_ms()
+                async with conn.transaction():
+                    await conn.execute("insert into agents (agent_id, name, credential_hash, onboarded_at) "
+                                       "values ($1, $2, $3, $4)", agent_id, name, os.urandom(32), now)
+                    await conn.execute(
+                        "insert into conversations (id, subject, author_id, root_message_id, partition, "
+                        "created_at) values ($1, $2, $3, $4, $5, $6)",
+                        conversation_id, f"bench {name}", agent_id, root_id, partition, now)
+                    await conn.execute(
+                        "insert into messages (id, conversation_id, author_id, kinds, content, created_at) "
+                        "values ($1, $2, $3, $4, $5, $6)",
+                        root_id, conversation_id, agent_id, list(corpus.DEFAULT_KINDS),
+                        content_of(0, self.size), now)
+                self.agents.append((agent_id, name))
+                self.conversations.append((conversation_id, partition))
+        finally:
+            await conn.close()
+
+    @contextlib.asynccontextmanager
+    async def connected(self) -> AsyncIterator[None]:
+        """A pool of one connection per worker, opened before timing starts."""
+        self.pool = await asyncpg.create_pool(self.dsn, min_size=self.concurrency, max_size=self.concurrency)
+        try:
+            yield
+        finally:
+            await self.pool.close()
+            self.pool = None
+
+    def event(self, sequence: int, message_id: str, conversation_id: str, partition: int, agent_id: str,
+              name: str, content: str, created_at: datetime) -> bytes:
+        """The message.appended envelope the writer would store for this message (same builders)."""
+        data = {"message": rep.message(
+            id=message_id, conversation_id=conversation_id, author_id=agent_id, author_name=name,
+            sequence=sequence, created_at=created_at, kinds=corpus.DEFAULT_KINDS, content=content,
+            payload_json=None, schema_name=None, schema_version=None, reply_to=None, tags=(), mentions=())}
+        return rep.dumps(rep.envelope(sequence=sequence, type=rep.MESSAGE_APPENDED, partition=partition,
+                                      corpus_id=self.corpus_id, lineage=self.lineage, occurred_at=created_at,
+                                      data=data))
+
+    async def write(self, i: int, n: int) -> str | None:
+        assert self.pool is not None
+        agent_id, name = self.agents[i]
+        conversation_id, partition = self.conversations[i]
+        message_id, content, created_at = str(uuid.uuid4()), content_of(n, self.size), rep.now_ms()
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "insert into messages (id, conversation_id, author_id, kinds, content, created_at) "
+                "values ($1, $2, $3, $4, $5, $6)",
+                message_id, conversation_id, agent_id, list(corpus.DEFAULT_KINDS), content, created_at)
+            sequence = await conn.fetchval("select nextval('change_sequence')")
+            event = self.event(sequence, message_id, conversation_id, partition, agent_id, name, content,
+                               created_at)
+            await conn.execute(
+                "insert into changes (sequence, type, partition, conversation_id, author_id, message_id, "
+                "occurred_at, event) values ($1, $2, $3, $4, $5, $6, $7, $8)",
+                sequence, rep.MESSAGE_APPENDED, partition, conversation_id, agent_id, message_id, created_at,
+                event.decode())
+        return None
+
+
+async def measure_baseline(side: RawSide, count: int) -> Round:
+    async with side.connected():
+        meter = CpuMeter.start({"bench": os.getpid()})
+        result = await drive(count, side.concurrency, side.write)
+        result.cpu = meter.busy()
+    return result
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def median(rounds: list[Round], value: Callable[[Round], float]) -> float:
+    return statistics.median(value(r) for r in rounds)
+
+
+def describe(label: str, rounds: list[Round], unit: str = "writes/s") -> str:
+    return (f"{label} {median(rounds, lambda r: r.rate):8,.0f} {unit}   "
+            f"p50 {median(rounds, lambda r: r.percentile_ms(0.50)):6.1f} ms   "
+            f"p99 {median(rounds, lambda r: r.percentile_ms(0.99)):6.1f} ms")
+
+
+CPU_GROUPS = ("web", "writer", "bench", "postgres", "rabbitmq", "machine")
+
+
+def cpu_line(rounds: list[Round]) -> str:
+    names = [n for n in CPU_GROUPS if any(n in r.cpu for r in rounds)]
+    return ", ".join(f"{n} {statistics.median(r.cpu.get(n, 0.0) for r in rounds):.2f}" for n in names)
+
+
+@contextlib.contextmanager
+def cancel_on_sigterm() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C: cancel the run so every ``finally`` stops processes and drops databases."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+@dataclass(slots=True)
+class Report:
+    """What a run measured, and how to print it."""
+
+    args: argparse.Namespace
+    ours: list[Round] = field(default_factory=list)
+    baseline: list[Round] = field(default_factory=list)
+    event_bytes: int = 0
+    ping: Round | None = None
+    accepted: int = 0
+    stored: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def consistent(self) -> bool:
+        return self.accepted == self.stored["messages"] == self.stored["changes"] == self.stored["operations"]
+
+    def print(self) -> None:
+        args = self.args
+        ratio = median(self.ours, lambda r: r.rate) / median(self.baseline, lambda r: r.rate)
+        p99 = median(self.ours, lambda r: r.percentile_ms(0.99))
+        print(f"{args.writes} messages per round ({args.size}-character content, "
+              f"~{self.event_bytes} B events), {args.concurrency} concurrent writers, "
+              f"median of {args.rounds} alternating rounds")
+        print("  " + describe("ours     (HTTP -> web -> RabbitMQ -> writer -> PostgreSQL)", self.ours))
+        print("  " + describe("baseline (plain asyncpg, one transaction per write)      ", self.baseline))
+        print(f"  ratio ours/baseline {ratio:.2f}: target >= {TARGET_RATIO} {_met(ratio >= TARGET_RATIO)};  "
+              f"ours p99 {p99:.1f} ms: target <= {TARGET_P99_MS:g} ms {_met(p99 <= TARGET_P99_MS)}")
+        print(f"  baseline includes: {BASELINE_INCLUDES}")
+        print(f"  baseline excludes: {BASELINE_EXCLUDES}")
+        failed = {who: dict(sum((r.failures for r in rounds), Counter[str]()))
+                  for who, rounds in (("ours", self.ours), ("baseline", self.baseline))}
+        if any(failed.values()):
+            print(f"  refused or failed (not counted above): {failed}")
+        stored = self.stored
+        verdict = "OK, nothing lost or doubled" if self.consistent else "MISMATCH"
+        print(f"  check: {self.accepted} answers 201 (set-up and warm-up included); the node's database "
+              f"holds {stored['messages']} messages, {stored['changes']} changes and {stored['operations']} "
+              f"completed operations: {verdict}")
+        server_ms = median(self.ours, lambda r: r.extra.get("server_ms", math.nan))
+        batch = median(self.ours, lambda r: r.extra.get("batch", math.nan))
+        print(f"  ours, where the time goes: the web front's own mean latency for the route "
+              f"{server_ms:.1f} ms; each writer transaction commits {batch:.1f} writes on average")
+        if self.ping is not None:
+            print("  " + describe("bus alone: Ping -> writer -> Pong (no HTTP, no database)  ", [self.ping],
+                                  "pings/s "))
+        if self.ours[0].cpu:
+            print(f"  CPUs busy (of {os.cpu_count()}), ours:     {cpu_line(self.ours)}")
+            print(f"  CPUs busy (of {os.cpu_count()}), baseline: {cpu_line(self.baseline)}")
+            print("  (postgres and rabbitmq: every such process on this machine, other users' included)")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+async def run(args: argparse.Namespace) -> Report:
+    """Set everything up, measure both sides in alternating rounds, check the node's rows, tear down."""
+    tag = uuid.uuid4().hex[:12]
+    report = Report(args)
+    with tempfile.TemporaryDirectory(prefix="tm-bench-") as data_dir:
+        async with private_vhost(args.amqp_url, args.vhost, f"tm_bench_{tag}") as amqp_url, \
+                scratch_database(args.database_url, f"tm_bench_{tag}") as node_dsn, \
+                scratch_database(args.database_url, f"tm_bench_{tag}_raw") as raw_dsn:
+            raw = RawSide(raw_dsn, args.concurrency, args.size)
+            message_id, conversation_id, agent_id = (str(uuid.uuid4()) for _ in range(3))
+            report.event_bytes = len(raw.event(10**6, message_id, conversation_id, 0, agent_id, f"b{tag}",
+                                               content_of(args.writes, args.size), rep.now_ms()))
+            await raw.set_up(tag[:6])
+            env = clean_env(TOASTMACHINE_AMQP_URL=amqp_url, TOASTMACHINE_DATABASE_URL=node_dsn,
+                            TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
+                            # Admission out of the way: 64 agents at full speed is the point here.
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000",
+                            TOASTMACHINE_REGISTER_PER_MINUTE="1000000")
+            async with node_processes(env, args.logs) as (web, writer):
+                assert web.url is not None
+                pids = {"web": web.proc.pid, "writer": writer.proc.pid, "bench": os.getpid()}
+                connector = aiohttp.TCPConnector(limit=args.concurrency * 2)
+                async with aiohttp.ClientSession(connector=connector,
+                                                 timeout=aiohttp.ClientTimeout(total=60)) as session:
+                    agents = [Agent(f"b{tag[:6]}_{i}") for i in range(args.concurrency)]
+                    http = HttpSide(session, web.url, agents, args.size)
+                    await http.set_up()
+                    db = await asyncpg.connect(node_dsn)
+                    try:
+                        # Warm up both paths (connections, pools, code paths, the broker's queues).
+                        await drive(args.warmup, args.concurrency, http.write)
+                        await measure_baseline(raw, args.warmup)
+                        for i in range(args.rounds):
+                            # Alternate which goes first: checkpoints and autovacuum caused by one
+                            # side's writes would otherwise always land in the other's time.
+                            for who in (("baseline", "ours") if i % 2 == 0 else ("ours", "baseline")):
+                                if who == "ours":
+                                    result = await measure_ours(http, db, args.writes, args.concurrency, pids)
+                                    report.ours.append(result)
+                                else:
+                                    result = await measure_baseline(raw, args.writes)
+                                    report.baseline.append(result)
+                                if args.verbose:
+                                    print(f"round {i} {describe(f'{who:8s}', [result])}   "
+                                          f"failures {dict(result.failures) or 0}", flush=True)
+                        report.ping = await measure_ping(amqp_url, args.writes, args.concurrency)
+                        report.accepted = http.accepted
+                        report.stored = dict(await db.fetchrow(
+                            "select (select count(*) from messages) as messages, "
+                            "(select count(*) from changes) as changes, "
+                            "(select count(*) from operations where status = 201) as operations"))
+                    finally:
+                        await db.close()
+    return report
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--writes", type=int, default=5000, help="measured writes per round and side")
+    parser.add_argument("--warmup", type=int, default=1000, help="unmeasured writes per side first")
+    parser.add_argument("--concurrency", type=int, default=64, help="agents (ours), tasks (baseline)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
+    parser.add_argument("--size", type=int, default=100, help="characters of message content")
+    parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
+    parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL,
+                        help="a PostgreSQL server where this user may create databases")
+    parser.add_argument("--vhost", choices=("private", "shared"), default="private",
+                        help="private: a RabbitMQ virtual host of its own for the node (needs rabbitmqctl)")
+    parser.add_argument("--logs", type=Path, help="write the node processes' output to DIR/{web,writer}.log")
+    parser.add_argument("--verbose", action="store_true", help="print every round")
+    args = parser.parse_args()
+    quiet_product_logs()
+    with cancel_on_sigterm():
+        report = await run(args)
+    report.print()
+    return 0 if report.consistent else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(asyncio.run(main()))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except asyncio.CancelledError:  # SIGTERM (see cancel_on_sigterm); everything was torn down
+        sys.exit(128 + signal.SIGTERM)
