@@ -52,6 +52,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -82,5 +83,9 @@ def _identity(_: Any, __: str, event: Any) -> Any:
 
 
 def get_logger(name: str, **context: Any) -> Any:
-    """A structlog logger bound to ``name`` and extra context."""
-    return structlog.get_logger(name).bind(**context)
+    """A structlog logger named ``name`` with extra context.
+
+    It stays a lazy proxy until its first log call, so loggers created at import time (module
+    level) still follow :func:`configure_logging`, which runs later, at process start.
+    """
+    return structlog.get_logger(name, **context)

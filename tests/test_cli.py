@@ -212,3 +212,18 @@ async def test_node_recovers_when_the_broker_drops_every_connection(
         assert await doctor.wait() == 0, "\n".join(doctor.output)
     finally:
         assert await node.stop() == 0
+
+
+async def test_json_logs_cover_every_logger(tmp_path: Path, database_url: str) -> None:
+    """LOG_FORMAT=json applies to loggers created at import time too: every log line is one JSON object."""
+    import json
+
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_DATABASE_URL=database_url,
+                          TOASTMACHINE_LOG_FORMAT="json")
+    proc = await procs.start("migrate", env=env)
+    assert await proc.wait() == 0, "\n".join(proc.output)
+    records = [json.loads(line) for line in proc.output if line.startswith("{")]
+    others = [line for line in proc.output if line.strip() and not line.startswith("{")]
+    assert others == [f"migrations applied: {database_url}"], others
+    assert {r["event"] for r in records} >= {"db.connected", "db.migration_applied", "db.closed"}
+    assert all(r["logger"].startswith("toastmachine.") and r["level"] and r["timestamp"] for r in records)

@@ -32,7 +32,7 @@ from infra.db.pool import UNAVAILABLE_ERRORS
 from infra.logs import get_logger
 from infra.runtime import ConsumerActor
 from protocol.commands import WriteCommand
-from protocol.errors import ApiError, InternalError, LineageMismatch, ServiceUnavailable
+from protocol.errors import ApiError, DatabaseUnavailable, InternalError, LineageMismatch, ServiceUnavailable
 from protocol.messages import ErrorReply, Ping, Pong
 
 WRITER_QUEUE = QueueSpec(name="tm.commands.writer", kind=QueueKind.WORK)
@@ -49,6 +49,15 @@ def error_reply(error: ApiError) -> ErrorReply:
     """The bus form of a public error."""
     return ErrorReply(status=error.status, code=error.code, message=error.message,
                       how_to_proceed=error.how_to_proceed, extra=dict(error.extra))
+
+
+def _database_unavailable() -> ServiceUnavailable:
+    # The commit may or may not have happened (a connection can drop during COMMIT), so the
+    # guidance is the one that is right either way: retry with the same token.
+    return ServiceUnavailable(
+        "The database is unavailable; the write's outcome is unknown.", code="database_unavailable",
+        how_to_proceed="Retry the identical request with the same Operation-Token in a few seconds; "
+                       "it takes effect at most once.")
 
 
 @dataclass(slots=True)
@@ -114,13 +123,7 @@ class GroupCommit:
             outcomes = await self.store.apply([job.prepared for job in batch])
         except UNAVAILABLE_ERRORS as e:
             log.warning("writer.database_unavailable", error=repr(e), batch=len(batch))
-            # The commit may or may not have happened (a connection can drop during COMMIT), so the
-            # guidance is the one that is right either way: retry with the same token.
-            error = ServiceUnavailable(
-                "The database is unavailable; the write's outcome is unknown.", code="database_unavailable",
-                how_to_proceed="Retry the identical request with the same Operation-Token in a few seconds; "
-                               "it takes effect at most once.")
-            self._settle(batch, [(Outcome(error=error), None)] * len(batch))
+            self._settle(batch, [(Outcome(error=_database_unavailable()), None)] * len(batch))
             return
         except Exception as e:
             if len(batch) > 1:
@@ -130,10 +133,21 @@ class GroupCommit:
                 for job in batch:
                     await self._apply([job])
                 return
+            if not await self._database_reachable():
+                # Whatever the exception says, the database is gone: an outage, not a bad command.
+                self._settle(batch, [(Outcome(error=_database_unavailable()), None)])
+                return
             log.exception("writer.command_failed", operation=batch[0].prepared.command.operation)
             self._settle(batch, [(Outcome(error=InternalError()), f"the writer failed on it: {type(e).__name__}")])
             return
         self._settle(batch, [(o, None) for o in outcomes])
+
+    async def _database_reachable(self) -> bool:
+        try:
+            await self.store.db.check()
+        except DatabaseUnavailable:
+            return False
+        return True
 
     @staticmethod
     def _settle(batch: list[_Job], results: list[tuple[Outcome, str | None]]) -> None:

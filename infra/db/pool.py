@@ -51,6 +51,9 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
     asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, "cannot connect now"
+    # A pooled connection the server dropped mid-use can be handed out once more before the pool
+    # notices; using it fails with a client-state error rather than a connection error.
+    asyncpg.InternalClientError,
 )
 
 
