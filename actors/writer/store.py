@@ -2,9 +2,12 @@
 
 One PostgreSQL transaction per batch (group commit), in two phases:
 
-1. Each command runs under its own savepoint: claim its idempotency key, check the rules that need
-   the database, insert its rows. A command that breaks a rule rolls back to its savepoint and fails
-   alone; a command whose key was already used answers the stored result (or 409 on a different
+1. Each command in two round trips: one query reads everything its rules need (its idempotency
+   record, the rows it refers to, the agents it mentions), then, if the rules pass, one statement
+   claims its idempotency key and inserts its rows together (``insert … on conflict do nothing`` on
+   the key: a concurrent claim of the same key waits on the row lock and then sees the outcome). A
+   command that breaks a rule fails alone before it has written anything, so no savepoint is
+   needed; a command whose key was already used answers the stored result (or 409 on a different
    request) and writes nothing.
 2. Sequence assignment, at the very end: take the transaction-scoped advisory lock
    :data:`SEQUENCE_LOCK`, draw one sequence per change, insert the change-history rows (each holding
@@ -22,8 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
-
-import asyncpg
 
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import connection
@@ -115,40 +116,25 @@ class CorpusStore:
         state = _Batch(outcomes=[None] * len(batch))
         async with connection(self.db) as conn, conn.transaction():
             for index, prepared in enumerate(batch):
-                savepoint = conn.transaction()
-                await savepoint.start()
                 try:
                     await self._stage(conn, state, index, prepared)
                 except ApiError as e:
-                    await savepoint.rollback()
                     state.outcomes[index] = Outcome(error=e)
-                except BaseException:
-                    await savepoint.rollback()
-                    raise
-                else:
-                    await savepoint.commit()
             if state.changes:
                 await self._commit_changes(conn, state, batch)
         for index, original in state.replays.items():
             first = state.outcomes[original]
-            assert first is not None and first.result is not None
-            state.outcomes[index] = Outcome(result=WriteResult(
-                status=first.result.status, body=first.result.body, sequence=first.result.sequence, replayed=True))
+            if first is not None and first.result is not None:
+                state.outcomes[index] = Outcome(result=WriteResult(
+                    status=first.result.status, body=first.result.body, sequence=first.result.sequence,
+                    replayed=True))
+            else:
+                state.outcomes[index] = first
         return [o if o is not None else Outcome(error=ApiError("internal: no outcome")) for o in state.outcomes]
 
     # --- phase 1 -------------------------------------------------------------------------------
 
     async def _stage(self, conn: Any, state: _Batch, index: int, prepared: Prepared) -> None:
-        author_id, operation, token = prepared.key
-        claimed = await conn.fetchval(
-            "insert into operations (author_id, operation, token, request_hash) values ($1, $2, $3, $4) "
-            "on conflict do nothing returning true", author_id, operation, token, prepared.request_hash)
-        if not claimed:
-            self._answer_from_record(state, index, prepared, await conn.fetchrow(
-                "select request_hash, status, response, sequence from operations "
-                "where author_id = $1 and operation = $2 and token = $3", author_id, operation, token))
-            return
-        state.claimed[prepared.key] = index
         request = prepared.request
         if isinstance(request, corpus.NewConversation):
             await self._create_conversation(conn, state, index, prepared, request)
@@ -159,7 +145,10 @@ class CorpusStore:
         else:
             await self._retract_relationship(conn, state, index, prepared, request)
 
-    def _answer_from_record(self, state: _Batch, index: int, prepared: Prepared, row: Any) -> None:
+    def _replayed(self, state: _Batch, index: int, prepared: Prepared, row: Any) -> bool:
+        """Answer from the idempotency record in ``row`` if there is one; True when answered."""
+        if row["request_hash"] is None:
+            return False
         if bytes(row["request_hash"]) != prepared.request_hash:
             raise Conflict(
                 "This Operation-Token was already used for a different request.",
@@ -169,29 +158,27 @@ class CorpusStore:
         if row["status"] is None:
             # Claimed earlier in this very batch: answer what that command is answered.
             state.replays[index] = state.claimed[prepared.key]
-            return
-        state.outcomes[index] = Outcome(result=WriteResult(
-            status=row["status"], body=row["response"], sequence=row["sequence"], replayed=True))
+        else:
+            state.outcomes[index] = Outcome(result=WriteResult(
+                status=row["status"], body=row["response"], sequence=row["sequence"], replayed=True))
+        return True
 
-    async def _resolve_mentions(self, conn: Any, names: Sequence[str]) -> list[tuple[str, str]]:
-        if not names:
-            return []
-        rows = await conn.fetch("select agent_id, name, lower(name) as key from agents "
-                                "where lower(name) = any($1::text[])", [n.lower() for n in names])
-        found = {r["key"]: (str(r["agent_id"]), r["name"]) for r in rows}
+    async def _lost_claim(self, conn: Any, state: _Batch, index: int, prepared: Prepared) -> None:
+        """The key was claimed by a transaction that committed after our read: answer its outcome."""
+        row = await conn.fetchrow(_READ_OPERATION + _ONE_ROW, *prepared.key)
+        if not self._replayed(state, index, prepared, row):  # pragma: no cover - the claim exists
+            raise ApiError("internal: idempotency record vanished")
+
+    async def _release_claim(self, conn: Any, prepared: Prepared) -> None:
+        """Undo our claim when a race lost after it (the claim is mutable tracking data)."""
+        await conn.execute("delete from operations where author_id = $1 and operation = $2 and token = $3",
+                           *prepared.key)
+
+    @staticmethod
+    def _mentions(names: Sequence[str], found: Any) -> list[tuple[str, str]]:
+        by_key = {r[1].lower(): (str(r[0]), r[1]) for r in found or ()}
         # Unknown names are dropped (SPEC §2); order follows the content.
-        return [found[n.lower()] for n in names if n.lower() in found]
-
-    async def _insert_message(self, conn: Any, message_id: str, conversation_id: str, author_id: str,
-                              draft: corpus.MessageDraft, created_at: datetime,
-                              mentions: list[tuple[str, str]]) -> None:
-        await conn.execute(
-            "insert into messages (id, conversation_id, author_id, kinds, content, payload, schema_name, "
-            "schema_version, reply_to, tags, mention_ids, created_at) "
-            "values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::uuid[], $12)",
-            message_id, conversation_id, author_id, list(draft.kinds), draft.content, draft.payload_json,
-            draft.schema_name, draft.schema_version, draft.reply_to, list(draft.tags),
-            [agent_id for agent_id, _ in mentions], created_at)
+        return [by_key[n.lower()] for n in names if n.lower() in by_key]
 
     def _message_data(self, message_id: str, conversation_id: str, prepared: Prepared,
                       draft: corpus.MessageDraft, created_at: datetime,
@@ -208,19 +195,24 @@ class CorpusStore:
 
         return build
 
+    @staticmethod
+    def _message_values(message_id: str, conversation_id: str, author_id: str, draft: corpus.MessageDraft,
+                        created_at: datetime, mentions: list[tuple[str, str]]) -> tuple[Any, ...]:
+        return (message_id, conversation_id, author_id, list(draft.kinds), draft.content, draft.payload_json,
+                draft.schema_name, draft.schema_version, draft.reply_to, list(draft.tags),
+                [agent_id for agent_id, _ in mentions], created_at)
+
     async def _create_conversation(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
                                    request: corpus.NewConversation) -> None:
+        row = await conn.fetchrow(_READ_OPERATION + ", " + _MENTIONS.format(n=4) + _ONE_ROW,
+                                  *prepared.key, [n.lower() for n in request.message.mention_names])
+        if self._replayed(state, index, prepared, row):
+            return
         author_id = prepared.command.author_id
         conversation_id, message_id = str(uuid.uuid4()), str(uuid.uuid4())
         partition = corpus.partition_of(conversation_id)
         created_at = rep.now_ms()
-        mentions = await self._resolve_mentions(conn, request.message.mention_names)
-        await conn.execute(
-            "insert into conversations (id, subject, author_id, root_message_id, partition, created_at) "
-            "values ($1, $2, $3, $4, $5, $6)",
-            conversation_id, request.subject, author_id, message_id, partition, created_at)
-        await self._insert_message(conn, message_id, conversation_id, author_id, request.message, created_at,
-                                   mentions)
+        mentions = self._mentions(request.message.mention_names, row["mentions"])
         message_data = self._message_data(message_id, conversation_id, prepared, request.message, created_at,
                                           mentions)
 
@@ -233,89 +225,100 @@ class CorpusStore:
                 "message": message_data(sequence),
             }
 
-        self._stage_change(state, _Change(
+        change = self._check_size(_Change(
             index=index, type=rep.CONVERSATION_CREATED, partition=partition, conversation_id=conversation_id,
             author_id=author_id, occurred_at=created_at, data=data, message_id=message_id))
+        claimed = await conn.fetchval(
+            _CLAIM + ", conversation as (insert into conversations (id, subject, author_id, root_message_id, "
+            "partition, created_at) select $5, $6, $1, $7, $8, $9 from claim)" + _insert_message(10)
+            + " select exists (select 1 from claim)",
+            *prepared.key, prepared.request_hash, conversation_id, request.subject, message_id, partition,
+            created_at, *self._message_values(message_id, conversation_id, author_id, request.message, created_at,
+                                              mentions))
+        if not claimed:
+            await self._lost_claim(conn, state, index, prepared)
+            return
+        self._staged(state, index, prepared, change)
 
     async def _append_message(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
                               request: corpus.NewMessage) -> None:
-        author_id = prepared.command.author_id
-        conversation = await conn.fetchrow("select partition from conversations where id = $1",
-                                           request.conversation_id)
-        if conversation is None:
+        draft = request.message
+        row = await conn.fetchrow(
+            _READ_OPERATION + ", " + _MENTIONS.format(n=4)
+            + ", (select partition from conversations where id = $5) as partition"
+            + ", (select conversation_id from messages where id = $6) as parent_conversation" + _ONE_ROW,
+            *prepared.key, [n.lower() for n in draft.mention_names], request.conversation_id, draft.reply_to)
+        if self._replayed(state, index, prepared, row):
+            return
+        if row["partition"] is None:
             raise NotFound(f"There is no conversation {request.conversation_id}.", code="conversation_not_found",
                            how_to_proceed="Check the conversation id (GET /conversations lists them).")
-        draft = request.message
         if draft.reply_to is not None:
-            parent = await conn.fetchval("select conversation_id from messages where id = $1", draft.reply_to)
-            if parent is None:
+            if row["parent_conversation"] is None:
                 raise Unprocessable(f"'reply_to' names no message ({draft.reply_to}).", code="reply_to_not_found",
                                     extra={"field": "reply_to"},
                                     how_to_proceed="Reply to a message of this conversation, or omit reply_to.")
-            if str(parent) != request.conversation_id:
+            if str(row["parent_conversation"]) != request.conversation_id:
                 raise Unprocessable("'reply_to' must be a message of the same conversation.",
                                     code="reply_to_other_conversation", extra={"field": "reply_to"},
                                     how_to_proceed="Reply to a message of this conversation; relate messages "
                                                    "across conversations with POST /relationships.")
+        author_id = prepared.command.author_id
         message_id = str(uuid.uuid4())
         created_at = rep.now_ms()
-        mentions = await self._resolve_mentions(conn, draft.mention_names)
-        await self._insert_message(conn, message_id, request.conversation_id, author_id, draft, created_at,
-                                   mentions)
+        mentions = self._mentions(draft.mention_names, row["mentions"])
         message_data = self._message_data(message_id, request.conversation_id, prepared, draft, created_at,
                                           mentions)
-        self._stage_change(state, _Change(
-            index=index, type=rep.MESSAGE_APPENDED, partition=conversation["partition"],
+        change = self._check_size(_Change(
+            index=index, type=rep.MESSAGE_APPENDED, partition=row["partition"],
             conversation_id=request.conversation_id, author_id=author_id, occurred_at=created_at,
             data=lambda sequence: {"message": message_data(sequence)}, message_id=message_id))
+        claimed = await conn.fetchval(
+            _CLAIM + _insert_message(5) + " select exists (select 1 from claim)",
+            *prepared.key, prepared.request_hash,
+            *self._message_values(message_id, request.conversation_id, author_id, draft, created_at, mentions))
+        if not claimed:
+            await self._lost_claim(conn, state, index, prepared)
+            return
+        self._staged(state, index, prepared, change)
 
     async def _assert_relationship(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
                                    request: corpus.NewRelationship) -> None:
         author_id = prepared.command.author_id
-        rows = await conn.fetch(
-            "select m.id, m.author_id, m.kinds, m.conversation_id, c.partition from messages m "
-            "join conversations c on c.id = m.conversation_id where m.id = any($1::uuid[])",
-            [request.source_message_id, request.target_message_id])
-        found = {str(r["id"]): r for r in rows}
+        row = await conn.fetchrow(
+            _READ_OPERATION
+            + ", (select array_agg(row(m.id, m.author_id, m.kinds, m.conversation_id, c.partition)) "
+              "from messages m join conversations c on c.id = m.conversation_id "
+              "where m.id = any(array[$4, $5]::uuid[])) as messages"
+            + ", (select relationship_id from active_relationships where source_message_id = $4 "
+              "and target_message_id = $5 and type = $6 and author_id = $1) as existing" + _ONE_ROW,
+            *prepared.key, request.source_message_id, request.target_message_id, request.type)
+        if self._replayed(state, index, prepared, row):
+            return
+        found = {str(m[0]): m for m in row["messages"] or ()}
         for field_name, message_id in (("source_message_id", request.source_message_id),
                                        ("target_message_id", request.target_message_id)):
             if message_id not in found:
                 raise NotFound(f"'{field_name}' names no message ({message_id}).", code="message_not_found",
                                extra={"field": field_name},
                                how_to_proceed="Check the message id (GET /messages lists them).")
-        source, target = found[request.source_message_id], found[request.target_message_id]
-        target_author = str(target["author_id"])
+        _, _, source_kinds, source_conversation, partition = found[request.source_message_id]
+        target_author, target_kinds = str(found[request.target_message_id][1]), found[request.target_message_id][2]
         if request.type == "retracts" and target_author != author_id:
             raise Forbidden("Only the target message's author may assert 'retracts'.", code="not_target_author",
                             how_to_proceed="Retract only your own messages; to disagree, assert 'contradicts'.")
-        if request.type == "supports" and "verification" in source["kinds"]:
-            if "claim" not in target["kinds"]:
+        if request.type == "supports" and "verification" in source_kinds:
+            if "claim" not in target_kinds:
                 raise Unprocessable("A 'supports' from a verification must target a message marked claim.",
                                     code="verification_needs_claim", extra={"field": "target_message_id"},
                                     how_to_proceed="Target the claim being verified.")
             if target_author == author_id:
                 raise Forbidden("An agent cannot verify its own claim.", code="self_verification",
                                 how_to_proceed="Ask another agent to verify the claim.")
+        if row["existing"] is not None:
+            raise _duplicate(str(row["existing"]))
         relationship_id = str(uuid.uuid4())
         created_at = rep.now_ms()
-        partition = source["partition"]
-        await conn.execute(
-            "insert into relationships (id, type, source_message_id, target_message_id, author_id, partition, "
-            "created_at) values ($1, $2, $3, $4, $5, $6, $7)",
-            relationship_id, request.type, request.source_message_id, request.target_message_id, author_id,
-            partition, created_at)
-        added = await conn.fetchval(
-            "insert into active_relationships (source_message_id, target_message_id, type, author_id, "
-            "relationship_id) values ($1, $2, $3, $4, $5) on conflict do nothing returning true",
-            request.source_message_id, request.target_message_id, request.type, author_id, relationship_id)
-        if not added:
-            existing = await conn.fetchval(
-                "select relationship_id from active_relationships where source_message_id = $1 "
-                "and target_message_id = $2 and type = $3 and author_id = $4",
-                request.source_message_id, request.target_message_id, request.type, author_id)
-            raise Conflict("You already assert this relationship.", code="duplicate_relationship",
-                           extra={"existing_relationship_id": str(existing)},
-                           how_to_proceed="Nothing to do; retract the existing one first to assert it again.")
         name = prepared.command.author_name
 
         def data(sequence: int) -> dict[str, Any]:
@@ -324,23 +327,48 @@ class CorpusStore:
                 target_message_id=request.target_message_id, author_id=author_id, author_name=name,
                 sequence=sequence, created_at=created_at)}
 
-        self._stage_change(state, _Change(
+        change = self._check_size(_Change(
             index=index, type=rep.RELATIONSHIP_ASSERTED, partition=partition,
-            conversation_id=str(source["conversation_id"]), author_id=author_id, occurred_at=created_at,
+            conversation_id=str(source_conversation), author_id=author_id, occurred_at=created_at,
             data=data, relationship_id=relationship_id))
+        result = await conn.fetchrow(
+            _CLAIM + ", active as (insert into active_relationships (source_message_id, target_message_id, type, "
+            "author_id, relationship_id) select $5, $6, $7, $1, $8 from claim on conflict do nothing returning 1), "
+            "relationship as (insert into relationships (id, type, source_message_id, target_message_id, author_id, "
+            "partition, created_at) select $8, $7, $5, $6, $1, $9, $10 from active) "
+            "select exists (select 1 from claim) as claimed, exists (select 1 from active) as added",
+            *prepared.key, prepared.request_hash, request.source_message_id, request.target_message_id,
+            request.type, relationship_id, partition, created_at)
+        if not result["claimed"]:
+            await self._lost_claim(conn, state, index, prepared)
+            return
+        if not result["added"]:
+            # Another writer committed the same assertion after our read.
+            await self._release_claim(conn, prepared)
+            existing = await conn.fetchval(
+                "select relationship_id from active_relationships where source_message_id = $1 "
+                "and target_message_id = $2 and type = $3 and author_id = $4",
+                request.source_message_id, request.target_message_id, request.type, author_id)
+            raise _duplicate(str(existing))
+        self._staged(state, index, prepared, change)
 
     async def _retract_relationship(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
                                     request: corpus.NewRetraction) -> None:
         author_id = prepared.command.author_id
         row = await conn.fetchrow(
-            "select r.author_id, r.partition, m.conversation_id, "
-            "exists (select 1 from retractions x where x.relationship_id = r.id) as retracted "
-            "from relationships r join messages m on m.id = r.source_message_id where r.id = $1",
-            request.relationship_id)
-        if row is None:
+            _READ_OPERATION
+            + ", r.author_id as asserted_by, r.partition, m.conversation_id, "
+              "exists (select 1 from retractions x where x.relationship_id = r.id) as retracted"
+            + " from (values (1)) one left join operations o on o.author_id = $1 and o.operation = $2 "
+              "and o.token = $3 left join relationships r on r.id = $4 "
+              "left join messages m on m.id = r.source_message_id",
+            *prepared.key, request.relationship_id)
+        if self._replayed(state, index, prepared, row):
+            return
+        if row["asserted_by"] is None:
             raise NotFound(f"There is no relationship {request.relationship_id}.", code="relationship_not_found",
                            how_to_proceed="Check the relationship id (GET /relationships lists them).")
-        if str(row["author_id"]) != author_id:
+        if str(row["asserted_by"]) != author_id:
             raise Forbidden("Only the agent that asserted a relationship may retract it.",
                             code="not_assertion_author",
                             how_to_proceed="Assert 'contradicts' instead if you disagree with it.")
@@ -348,30 +376,42 @@ class CorpusStore:
             raise _already_retracted()
         retraction_id = str(uuid.uuid4())
         created_at = rep.now_ms()
-        try:
-            await conn.execute("insert into retractions (id, relationship_id, author_id, created_at) "
-                               "values ($1, $2, $3, $4)", retraction_id, request.relationship_id, author_id,
-                               created_at)
-        except asyncpg.UniqueViolationError:
-            raise _already_retracted() from None  # a concurrent retraction committed first
-        await conn.execute("delete from active_relationships where relationship_id = $1", request.relationship_id)
 
         def data(sequence: int) -> dict[str, Any]:
             return {"retraction": rep.retraction(id=retraction_id, relationship_id=request.relationship_id,
                                                  sequence=sequence, created_at=created_at)}
 
-        self._stage_change(state, _Change(
+        change = self._check_size(_Change(
             index=index, type=rep.RELATIONSHIP_RETRACTED, partition=row["partition"],
             conversation_id=str(row["conversation_id"]), author_id=author_id, occurred_at=created_at, data=data,
             retraction_id=retraction_id))
+        result = await conn.fetchrow(
+            _CLAIM + ", retraction as (insert into retractions (id, relationship_id, author_id, created_at) "
+            "select $5, $6, $1, $7 from claim on conflict (relationship_id) do nothing returning 1), "
+            "inactive as (delete from active_relationships where relationship_id = $6 "
+            "and exists (select 1 from retraction)) "
+            "select exists (select 1 from claim) as claimed, exists (select 1 from retraction) as added",
+            *prepared.key, prepared.request_hash, retraction_id, request.relationship_id, created_at)
+        if not result["claimed"]:
+            await self._lost_claim(conn, state, index, prepared)
+            return
+        if not result["added"]:
+            await self._release_claim(conn, prepared)  # a concurrent retraction committed first
+            raise _already_retracted()
+        self._staged(state, index, prepared, change)
 
-    def _stage_change(self, state: _Batch, change: _Change) -> None:
+    def _check_size(self, change: _Change) -> _Change:
         size = len(self._event(change, _SIZING_SEQUENCE))
         if size > corpus.MAX_EVENT_BYTES:
             raise Unprocessable(
                 f"The stored event would be {size} bytes; the limit is {corpus.MAX_EVENT_BYTES}.",
                 code="event_too_large", extra={"field": "content"},
                 how_to_proceed="Send less content or a smaller payload.")
+        return change
+
+    @staticmethod
+    def _staged(state: _Batch, index: int, prepared: Prepared, change: _Change) -> None:
+        state.claimed[prepared.key] = index
         state.changes.append(change)
 
     def _event(self, change: _Change, sequence: int) -> bytes:
@@ -382,10 +422,13 @@ class CorpusStore:
     # --- phase 2 -------------------------------------------------------------------------------
 
     async def _commit_changes(self, conn: Any, state: _Batch, batch: Sequence[Prepared]) -> None:
-        await conn.execute("select pg_advisory_xact_lock($1)", SEQUENCE_LOCK)
+        # The lock is taken before the first nextval of this transaction and held until its commit.
         sequences = sorted(await conn.fetchval(
-            "select array_agg(nextval('change_sequence')) from generate_series(1, $1)", len(state.changes)))
-        change_rows, operation_rows = [], []
+            "with locked as (select pg_advisory_xact_lock($2)) "
+            "select array_agg(nextval('change_sequence')) from locked, generate_series(1, $1)",
+            len(state.changes), SEQUENCE_LOCK))
+        columns: list[list[Any]] = [[] for _ in range(11)]
+        keys: list[list[Any]] = [[] for _ in range(5)]
         for change, sequence in zip(state.changes, sequences, strict=True):
             prepared = batch[change.index]
             data = change.data(sequence)
@@ -393,18 +436,51 @@ class CorpusStore:
                 sequence=sequence, type=change.type, partition=change.partition, corpus_id=self.corpus_id,
                 lineage=self.lineage, occurred_at=change.occurred_at, data=data))
             body = rep.dumps({**data, "sequence": sequence}).decode()
-            change_rows.append((sequence, change.type, change.partition, change.conversation_id, change.author_id,
-                                change.message_id, change.relationship_id, change.retraction_id,
-                                change.occurred_at, event.decode(), prepared.trace_id))
-            operation_rows.append((*prepared.key, 201, body, sequence))
+            for column, value in zip(columns, (
+                    sequence, change.type, change.partition, change.conversation_id, change.author_id,
+                    change.message_id, change.relationship_id, change.retraction_id, change.occurred_at,
+                    event.decode(), prepared.trace_id), strict=True):
+                column.append(value)
+            for column, value in zip(keys, (*prepared.key, body, sequence), strict=True):
+                column.append(value)
             state.outcomes[change.index] = Outcome(result=WriteResult(status=201, body=body, sequence=sequence))
-        await conn.executemany(
-            "insert into changes (sequence, type, partition, conversation_id, author_id, message_id, "
-            "relationship_id, retraction_id, occurred_at, event, trace_id) "
-            "values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)", change_rows)
-        await conn.executemany(
-            "update operations set status = $4, response = $5, sequence = $6 "
-            "where author_id = $1 and operation = $2 and token = $3", operation_rows)
+        # One statement for all the batch's changes and idempotency answers.
+        await conn.execute(
+            "with inserted as (insert into changes (sequence, type, partition, conversation_id, author_id, "
+            "message_id, relationship_id, retraction_id, occurred_at, event, trace_id) "
+            "select * from unnest($1::bigint[], $2::text[], $3::smallint[], $4::uuid[], $5::uuid[], $6::uuid[], "
+            "$7::uuid[], $8::uuid[], $9::timestamptz[], $10::text[], $11::text[])) "
+            "update operations o set status = 201, response = u.response, sequence = u.sequence "
+            "from unnest($12::uuid[], $13::text[], $14::text[], $15::text[], $16::bigint[]) "
+            "as u(author_id, operation, token, response, sequence) "
+            "where o.author_id = u.author_id and o.operation = u.operation and o.token = u.token",
+            *columns, *keys)
+
+
+#: Reads a command's idempotency record; the query continues with more columns and a FROM clause.
+_READ_OPERATION = "select o.request_hash, o.status, o.response, o.sequence"
+#: FROM clause of a read whose other columns are scalar subqueries: one row, the record or nulls.
+_ONE_ROW = (" from (values (1)) one left join operations o on o.author_id = $1 and o.operation = $2 "
+            "and o.token = $3")
+#: The agents named in ``$n`` (lowercased names) as (agent_id, name) rows.
+_MENTIONS = ("(select array_agg(row(a.agent_id, a.name)) from agents a "
+             "where lower(a.name) = any(${n}::text[])) as mentions")
+#: Claims the idempotency key ($1-$3, hash $4); the statement's other parts insert ``from claim``,
+#: so they write nothing when the key was taken meanwhile.
+_CLAIM = ("with claim as (insert into operations (author_id, operation, token, request_hash) "
+          "values ($1, $2, $3, $4) on conflict do nothing returning 1)")
+def _insert_message(first: int) -> str:
+    """A ``message`` CTE inserting the 12 values from parameter ``first`` on, only if the claim succeeded."""
+    values = ", ".join(f"${n}" for n in range(first, first + 12))
+    return (", message as (insert into messages (id, conversation_id, author_id, kinds, content, payload, "
+            "schema_name, schema_version, reply_to, tags, mention_ids, created_at) "
+            f"select {values} from claim)")
+
+
+def _duplicate(existing: str) -> Conflict:
+    return Conflict("You already assert this relationship.", code="duplicate_relationship",
+                    extra={"existing_relationship_id": existing},
+                    how_to_proceed="Nothing to do; retract the existing one first to assert it again.")
 
 
 def _already_retracted() -> Conflict:
