@@ -11,7 +11,7 @@ Does, for each command:
 * :class:`~protocol.commands.WriteCommand`: validates the body again with the edge's validators
   (a command that fails them past the edge is dead-lettered with the reason and answered at once),
   then hands it to the group commit: commands that arrive while a transaction runs are applied
-  together in the next one (:mod:`actors.writer.store`), each under its own savepoint;
+  together in the next one (:mod:`actors.writer.store`); a command that breaks a rule fails alone;
 * :class:`~protocol.messages.Ping`: answers :class:`~protocol.messages.Pong` (doctor, readiness).
 
 Emits: one reply per command to its requester, after the commit; the delivery is acked after the
