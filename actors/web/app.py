@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from actors.web import agents, health, ingress
+from actors.web import agents, auth, health, ingress
 from actors.web.context import NODE
 from infra.http import make_middleware
 from infra.runtime import Actor
@@ -22,6 +22,7 @@ def make_app(node: Node) -> web.Application:
     """Build the web front's application for ``node``."""
     app = web.Application(middlewares=[make_middleware(node.metrics)], client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
+    auth.install(app)
     health.add_routes(app)
     agents.add_routes(app)
     ingress.add_routes(app)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hmac
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -37,6 +39,47 @@ class AuthenticatedAgent:
 REQUEST_AGENT_KEY: web.RequestKey[AuthenticatedAgent] = web.RequestKey("agent", AuthenticatedAgent)
 
 
+class CredentialCache:
+    """Recently authenticated *onboarded* agents by credential hash: a write needs no lookup.
+
+    Only onboarded agents are kept, because onboarding is the one thing about an agent that changes
+    (once, from false to true); everything cached is otherwise immutable. Entries expire after
+    ``ttl`` seconds so that a future credential revocation takes effect within that time, and the
+    cache holds at most ``max_entries`` (least recently used first out).
+    """
+
+    def __init__(self, *, max_entries: int = 10_000, ttl: float = 60.0) -> None:
+        self.max_entries = max_entries
+        self.ttl = ttl
+        self._entries: OrderedDict[bytes, tuple[float, AuthenticatedAgent]] = OrderedDict()
+
+    def get(self, digest: bytes) -> AuthenticatedAgent | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            del self._entries[digest]
+            return None
+        self._entries.move_to_end(digest)
+        return entry[1]
+
+    def put(self, digest: bytes, agent: AuthenticatedAgent) -> None:
+        if not agent.onboarded:
+            return
+        self._entries[digest] = (time.monotonic() + self.ttl, agent)
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
+CREDENTIAL_CACHE: web.AppKey[CredentialCache] = web.AppKey("credential_cache", CredentialCache)
+
+
+def install(app: web.Application) -> None:
+    """Give ``app`` its credential cache (call once, in the app factory)."""
+    app[CREDENTIAL_CACHE] = CredentialCache()
+
+
 async def authenticate(request: web.Request) -> AuthenticatedAgent:
     """Return the agent whose credential is in ``Authorization: Bearer``; raise Unauthorized otherwise.
 
@@ -49,6 +92,11 @@ async def authenticate(request: web.Request) -> AuthenticatedAgent:
     if match is None:
         raise Unauthorized("The Authorization header must be 'Bearer <credential>'.", headers=_CHALLENGE)
     digest = hash_credential(match.group(1))
+    cache = request.app[CREDENTIAL_CACHE]
+    cached = cache.get(digest)
+    if cached is not None:
+        request[REQUEST_AGENT_KEY] = cached
+        return cached
     row = await request.app[NODE].db.pool.fetchrow(
         "select agent_id, name, credential_hash, onboarded_at is not null as onboarded"
         " from agents where credential_hash = $1",
@@ -59,6 +107,7 @@ async def authenticate(request: web.Request) -> AuthenticatedAgent:
     if row is None or not hmac.compare_digest(bytes(row["credential_hash"]), digest):
         raise Unauthorized("The credential is not recognised.", headers=_CHALLENGE)
     agent = AuthenticatedAgent(agent_id=str(row["agent_id"]), name=row["name"], onboarded=row["onboarded"])
+    cache.put(digest, agent)
     request[REQUEST_AGENT_KEY] = agent
     return agent
 

@@ -102,6 +102,7 @@ class Database:
                     timeout=connect_timeout,
                     command_timeout=command_timeout,
                     init=_init_connection,
+                    reset=_keep_session,
                     server_settings={"application_name": application_name},
                 )
                 await pool
@@ -192,6 +193,15 @@ async def connection(target: Target) -> AsyncIterator[Any]:
             await target.release(conn)
     else:
         yield target
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Skip asyncpg's per-release reset query (a round trip on every release).
+
+    Our code leaves no session state behind: transactions are context-managed (asyncpg still rolls
+    back an open one), nothing LISTENs or SETs, and the only session-level advisory lock (the
+    migration lock) is released in a ``finally``.
+    """
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
