@@ -11,7 +11,8 @@ import asyncio
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from actors.registry import ACTORS
 from infra.bus import make_bus
@@ -29,19 +30,31 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Run a long-lived process's main coroutine on uvloop (libuv): the same asyncio API with
+    less CPU per socket operation, which is most of what these processes do. uvloop is a
+    dependency everywhere but Windows, where the standard loop runs instead."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     """Every actor and the web front in one process; embedded database and in-process bus by default."""
-    return asyncio.run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True, announce=_print))
+    return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True, announce=_print))
 
 
 def cmd_web(settings: Settings, args: argparse.Namespace) -> int:
     """The web front alone (ingress and hub); needs TOASTMACHINE_AMQP_URL."""
-    return asyncio.run(serve(settings, actors=[], web=True, allow_memory_bus=False, announce=_print))
+    return _run(serve(settings, actors=[], web=True, allow_memory_bus=False, announce=_print))
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     """One back-end actor in this process; needs TOASTMACHINE_AMQP_URL."""
-    return asyncio.run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False, announce=_print))
+    return _run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False, announce=_print))
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
