@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,9 +14,11 @@ from tests.db_fixtures import *
 
 
 @pytest.fixture(scope="session")
-def rabbitmq_url() -> str:
-    """URL of the real RabbitMQ; skips (locally) or fails (CI) when it is unreachable."""
-    return services.require("rabbitmq")
+def rabbitmq_url() -> Iterator[str]:
+    """URL of the real RabbitMQ, on a virtual host of this run's own; skips (locally) or fails (CI)
+    when the broker is unreachable."""
+    with services.private_vhost(services.require("rabbitmq")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,14 @@ with ``TOASTMACHINE_REQUIRE_SERVICES=1`` (CI) a missing service fails the run in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -62,3 +68,44 @@ def require(service: str) -> str:
         pytest.fail(f"{service} is required (TOASTMACHINE_REQUIRE_SERVICES=1) but unreachable at {url}: {problem}")
     SKIPPED[service] = f"unreachable at {url}: {problem}"
     pytest.skip(f"{service} unreachable: {problem}")
+
+
+@contextlib.contextmanager
+def private_vhost(amqp_url: str) -> Iterator[str]:
+    """``amqp_url`` moved to a fresh RabbitMQ virtual host, deleted afterwards.
+
+    The corpus writer's queue has a fixed name (``tm.commands.writer``), so two test runs sharing a
+    broker would consume each other's commands; a vhost per run keeps them apart. Needs
+    ``rabbitmqctl`` on this machine (CI has it); without it the URL is used as given.
+    """
+    if shutil.which("rabbitmqctl") is None:
+        yield amqp_url
+        return
+    parts = urlsplit(amqp_url)
+    name = f"tm-test-{uuid.uuid4().hex[:12]}"
+    _rabbitmqctl("add_vhost", name)
+    try:
+        _rabbitmqctl("set_permissions", "-p", name, parts.username or "guest", ".*", ".*", ".*")
+        yield parts._replace(path="/" + name).geturl()
+    finally:
+        _rabbitmqctl("delete_vhost", name)
+
+
+def _rabbitmqctl(*args: str) -> None:
+    done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stdout}{done.stderr}")
+
+
+async def drop_broker_connections(amqp_url: str, reason: str) -> None:
+    """Have the broker close every client connection of ``amqp_url``'s virtual host, as a network
+    cut or a broker restart would (``rabbitmqctl close_all_connections -p VHOST``): a real fault
+    that leaves other test runs on the same broker alone."""
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not available to inject the fault")
+    vhost = urlsplit(amqp_url).path.lstrip("/") or "/"
+    proc = await asyncio.create_subprocess_exec(
+        "rabbitmqctl", "close_all_connections", "-p", vhost, reason,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode(errors="replace")

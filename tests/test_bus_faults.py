@@ -1,12 +1,11 @@
 """Real faults against the RabbitMQ bus: the broker drops every connection mid-stream; the broker is
-not there at all. ``rabbitmqctl close_all_connections`` closes *every* connection on the broker,
-other tests' included, which is fine because tests run one at a time.
+not there at all. ``rabbitmqctl close_all_connections`` closes every connection of the test run's
+virtual host (see tests/services.py), as a network cut would.
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import uuid
 
 import pytest
@@ -15,23 +14,13 @@ from infra.bus.base import Delivery, QueueKind, QueueSpec
 from infra.bus.rabbitmq import RabbitBus
 from protocol.errors import BusUnavailable
 from protocol.messages import Ping, Pong, Probe
+from tests import services
 from tests.bus_fixtures import cleanup_rabbit, unique_name
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
 COUNT = 2_000
 WINDOW = 10  # publishes in flight at once
-
-
-async def drop_all_connections(reason: str) -> None:
-    """Have the broker close every client connection, as a network cut or broker restart would."""
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not available to inject the fault")
-    proc = await asyncio.create_subprocess_exec(
-        "rabbitmqctl", "close_all_connections", reason,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    _, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode(errors="replace")
 
 
 async def connected_bus(url: str, name: str) -> RabbitBus:
@@ -76,7 +65,7 @@ async def test_confirmed_messages_survive_dropped_connections(rabbitmq_url: str)
                 # been survived, so they are two separate outages.
                 if kills == 0 and start >= 100 or kills == 1 and publisher.stats.reconnects >= 1:
                     kills += 1
-                    killers.append(asyncio.create_task(drop_all_connections(f"fault test: cut {kills}")))
+                    killers.append(asyncio.create_task(services.drop_broker_connections(rabbitmq_url, f"fault test: cut {kills}")))
                 # Pace the stream so that it is still running when each cut lands.
                 await asyncio.sleep(0.01)
             publishing_done = True
@@ -120,7 +109,7 @@ async def test_request_reply_works_again_after_the_connection_drops(rabbitmq_url
         consumer = await server.consume(queue, answer)
         before = await client.request("", queue, Ping(nonce="before"), timeout=10)
         assert before.message == Pong(nonce="before", responder="server")
-        await drop_all_connections("fault test: request/reply")
+        await services.drop_broker_connections(rabbitmq_url, "fault test: request/reply")
         # The request waits for the reconnect (publish retries), then for the restored consumers.
         nonce = uuid.uuid4().hex
         after = await client.request("", queue, Ping(nonce=nonce), timeout=30)

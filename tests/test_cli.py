@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import procs
+from tests import procs, services
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -201,10 +201,7 @@ async def test_node_recovers_when_the_broker_drops_every_connection(
     try:
         url = await node.wait_listening(timeout=30)
         await _until_ready(url, 10)
-        killer = await asyncio.create_subprocess_exec(
-            "rabbitmqctl", "close_all_connections", "fault test: node recovery",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        assert await killer.wait() == 0
+        await services.drop_broker_connections(rabbitmq_url, "fault test: node recovery")
         await _until_reconnected(url, 30)
         body = await _until_ready(url, 30)
         assert body["checks"]["actors"]["writer"]["state"] == "running"

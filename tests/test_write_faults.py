@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import asyncpg
@@ -56,27 +55,6 @@ WRITER_STARTED = r"ToastMachine running writer"
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def private_vhost(amqp_url: str) -> AsyncIterator[str]:
-    """A fresh RabbitMQ virtual host for this test (deleted afterwards); yields ``amqp_url`` on it."""
-    parts = urlsplit(amqp_url)
-    name = f"tm-test-{uuid.uuid4().hex[:12]}"
-    await _rabbitmqctl("add_vhost", name)
-    try:
-        await _rabbitmqctl("set_permissions", "-p", name, parts.username or "guest", ".*", ".*", ".*")
-        yield parts._replace(path="/" + name).geturl()
-    finally:
-        await _rabbitmqctl("delete_vhost", name)
-
-
-async def _rabbitmqctl(*args: str) -> None:
-    proc = await asyncio.create_subprocess_exec("rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
-    async with asyncio.timeout(60):
-        out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"rabbitmqctl {' '.join(args)} failed:\n{out.decode(errors='replace')}"
 
 
 async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -171,31 +149,31 @@ async def write_until_created(session: aiohttp.ClientSession, url: str, write: W
 @pytest.mark.timeout(300)
 async def test_writer_killed_mid_load_loses_and_doubles_nothing(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
-    async with private_vhost(rabbitmq_url) as amqp_url:
-        env = procs.clean_env(
-            TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=amqp_url,
-            TOASTMACHINE_DATABASE_URL=database_url, TOASTMACHINE_PORT="0",
-            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="100000",
-            TOASTMACHINE_COMMAND_TIMEOUT=str(COMMAND_TIMEOUT))
-        # The writer first: both processes migrate at start, and the web front's first write needs
-        # the writer's queue bound (or it answers 503 writer_unavailable).
-        writers = [await procs.start("run", "writer", env=env)]
-        web: procs.NodeProcess | None = None
-        try:
-            await writers[0].wait_for_line(WRITER_STARTED, timeout=60)
-            web = await procs.start("web", env=env)
-            base = await web.wait_listening(timeout=60)
-            writes = await _run_killed_load(base, env, writers)
-        finally:
-            for proc in [p for p in (web, *writers) if p is not None]:
-                if proc.proc.returncode is None:
-                    await proc.stop()
-        assert web is not None
-        assert writers[0].proc.returncode == -signal.SIGKILL
-        for proc in (web, writers[-1]):  # both stopped cleanly on SIGTERM
-            assert proc.proc.returncode == 0, "\n".join(proc.output[-80:])
-        assert "Traceback" not in "\n".join(web.output + writers[-1].output), \
-            "\n".join(web.output[-80:] + writers[-1].output[-80:])
+    amqp_url = rabbitmq_url  # a vhost of this run's own (tests/services.py)
+    env = procs.clean_env(
+        TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=amqp_url,
+        TOASTMACHINE_DATABASE_URL=database_url, TOASTMACHINE_PORT="0",
+        TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="100000",
+        TOASTMACHINE_COMMAND_TIMEOUT=str(COMMAND_TIMEOUT))
+    # The writer first: both processes migrate at start, and the web front's first write needs
+    # the writer's queue bound (or it answers 503 writer_unavailable).
+    writers = [await procs.start("run", "writer", env=env)]
+    web: procs.NodeProcess | None = None
+    try:
+        await writers[0].wait_for_line(WRITER_STARTED, timeout=60)
+        web = await procs.start("web", env=env)
+        base = await web.wait_listening(timeout=60)
+        writes = await _run_killed_load(base, env, writers)
+    finally:
+        for proc in [p for p in (web, *writers) if p is not None]:
+            if proc.proc.returncode is None:
+                await proc.stop()
+    assert web is not None
+    assert writers[0].proc.returncode == -signal.SIGKILL
+    for proc in (web, writers[-1]):  # both stopped cleanly on SIGTERM
+        assert proc.proc.returncode == 0, "\n".join(proc.output[-80:])
+    assert "Traceback" not in "\n".join(web.output + writers[-1].output), \
+        "\n".join(web.output[-80:] + writers[-1].output[-80:])
 
     # Every write answered 201, with a different message, and the fault really hit the load.
     assert all(w.body is not None for w in writes)
@@ -321,21 +299,12 @@ async def in_process_stack(dsn: str, amqp_url: str | None) -> AsyncIterator[InPr
         await db.close()
 
 
-@contextlib.asynccontextmanager
-async def bus_url(bus_backend: str | None) -> AsyncIterator[str | None]:
-    if bus_backend is None:
-        yield None
-        return
-    async with private_vhost(bus_backend) as url:
-        yield url
-
-
 @pytest.mark.timeout(180)
 async def test_postgres_stopped_answers_503_then_recovers(tmp_path: Path, bus_backend: str | None) -> None:
     # A server of this test's own: stopping it disturbs no other test.
     servers: list[EmbeddedPostgres] = [await start_embedded(tmp_path / "db")]
     try:
-        async with bus_url(bus_backend) as amqp_url, in_process_stack(servers[0].dsn, amqp_url) as stack:
+        async with in_process_stack(servers[0].dsn, bus_backend) as stack:
             resp = await stack.client.post("/register", json={"name": f"patient-{uuid.uuid4().hex[:8]}"})
             registered = await resp.json()
             assert resp.status == 201, registered
@@ -395,7 +364,7 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
     """The server stops while writes are in the writer's transactions: still 503s, never a 500."""
     servers: list[EmbeddedPostgres] = [await start_embedded(tmp_path / "db")]
     try:
-        async with bus_url(bus_backend) as amqp_url, in_process_stack(servers[0].dsn, amqp_url) as stack, \
+        async with in_process_stack(servers[0].dsn, bus_backend) as stack, \
                 aiohttp.ClientSession() as session:
             base = str(stack.client.make_url("")).rstrip("/")
             agents = [await register(session, base, f"steady-{i}-{uuid.uuid4().hex[:6]}") for i in range(2)]
