@@ -62,6 +62,8 @@ class Settings:
     db_pool_size: int = 10
     #: Most write commands the corpus writer applies in one transaction (group commit).
     writer_max_batch: int = 100
+    #: Seconds between heartbeat comments on an idle SSE stream.
+    stream_heartbeat: float = 15.0
     #: Milliseconds a writer waits for more commands before committing a batch that is not full;
     #: 0 commits whatever is waiting at once (batches still form while a transaction runs).
     writer_linger_ms: float = 0.0
@@ -111,6 +113,7 @@ class Settings:
             shutdown_grace=get("SHUTDOWN_GRACE", _float(0, 600), d.shutdown_grace),
             prefetch=get("PREFETCH", _int(1, 10_000), d.prefetch),
             db_pool_size=get("DB_POOL_SIZE", _int(1, 1000), d.db_pool_size),
+            stream_heartbeat=get("STREAM_HEARTBEAT", _float(0.01, 3600), d.stream_heartbeat),
             writer_max_batch=get("WRITER_MAX_BATCH", _int(1, 10_000), d.writer_max_batch),
             writer_linger_ms=get("WRITER_LINGER_MS", _float(0, 1000), d.writer_linger_ms),
             node_id=get("NODE_ID", _node_id, d.node_id),

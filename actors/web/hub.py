@@ -1,0 +1,163 @@
+"""Notification hub: one per web node, fanning the corpus's change events out to this node's streams.
+
+Consumes: a per-node queue (``QueueKind.NODE``: exclusive to this process, bounded, deleted with it)
+bound to every routing key of ``tm.events``.
+Does: keeps the events in strict sequence order without duplicates: an event at or below the last
+one it passed on is dropped (a publisher that took over republishes from its cursor), and when an
+event arrives past a hole it first reads the hole from the change history, so a subscriber never
+misses a change even if the node queue dropped some (it is bounded) or the bus reconnected.
+Sequences may legitimately have gaps; reading a hole that holds nothing costs one query.
+Emits: each change to every subscriber's bounded queue. A subscriber whose queue is full is cut off
+(``overflowed``), never allowed to grow memory; its stream tells the client to resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+from actors.history import Change, changes_after
+from infra.bus.base import EVENTS_EXCHANGE, Bus, Consumer, Delivery, QueueKind, QueueSpec
+from infra.db.pool import UNAVAILABLE_ERRORS, Target
+from infra.logs import get_logger
+from protocol.events import ChangeEvent
+from protocol.representations import dumps
+
+log = get_logger("toastmachine.actors.hub")
+
+#: Changes a subscriber may have waiting before it is cut off.
+DEFAULT_SUBSCRIBER_QUEUE = 1_000
+
+
+class Subscription:
+    """One stream's view of the hub: a bounded queue of changes in sequence order."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.queue: asyncio.Queue[Change] = asyncio.Queue(maxsize=maxsize)
+        #: Set when the subscriber fell behind by more than its queue, or the hub closed.
+        self.overflowed = False
+        self.closed = asyncio.Event()
+
+    def offer(self, change: Change) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self.queue.put_nowait(change)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.closed.set()
+
+    async def next(self) -> Change | None:
+        """The next change, or None once the subscription is closed (overflow or shutdown)."""
+        if self.closed.is_set() and self.queue.empty():
+            return None
+        getter = asyncio.ensure_future(self.queue.get())
+        closer = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait({getter, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closer.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        return None
+
+
+class NotificationHub:
+    """The per-node fan-out of ``tm.events``.
+
+    Args:
+        bus: where the events come from.
+        db: the change history, for filling holes.
+        node_id: names this node's queue.
+        subscriber_queue: changes a subscriber may have waiting before it is cut off.
+    """
+
+    def __init__(self, bus: Bus, db: Target, *, node_id: str,
+                 subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE) -> None:
+        self.bus = bus
+        self.db = db
+        self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
+        self.subscriber_queue = subscriber_queue
+        self.last_sequence: int | None = None
+        self._subscribers: set[Subscription] = set()
+        self._consumer: Consumer | None = None
+        self._lock = asyncio.Lock()  # one event at a time: order and hole filling stay simple
+
+    async def start(self) -> None:
+        """Declare and bind this node's queue and start consuming."""
+        name = await self.bus.declare_queue(self.queue_spec)
+        await self.bus.bind(name, EVENTS_EXCHANGE, "#")
+        self._consumer = await self.bus.consume(name, self._on_event, prefetch=256)
+        log.info("hub.consuming", queue=name)
+
+    async def close(self) -> None:
+        """Stop consuming and end every subscription."""
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._consumer.drain(1.0)
+            self._consumer = None
+        for sub in list(self._subscribers):
+            sub.closed.set()
+        self._subscribers.clear()
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self) -> AsyncIterator[Subscription]:
+        """A subscription for the duration of the block."""
+        sub = Subscription(self.subscriber_queue)
+        self._subscribers.add(sub)
+        try:
+            yield sub
+        finally:
+            self._subscribers.discard(sub)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    async def _on_event(self, delivery: Delivery) -> None:
+        event = delivery.message
+        if not isinstance(event, ChangeEvent):
+            return  # not ours to fan out; acked and forgotten (the node queue is ours alone)
+        async with self._lock:
+            last = self.last_sequence
+            if last is not None and event.sequence <= last:
+                return  # a duplicate (republished after a publisher take-over, or redelivered)
+            if last is not None and event.sequence > last + 1:
+                await self._fill(last, event.sequence)
+            self._publish(Change(event.sequence, event.type, event.partition, dumps(_envelope(event)).decode()))
+
+    async def _fill(self, last: int, upto: int) -> None:
+        """Pass on the changes strictly between ``last`` and ``upto`` from the history."""
+        after = last
+        while after < upto - 1:
+            try:
+                page = await changes_after(self.db, after, limit=min(1000, upto - 1 - after))
+            except UNAVAILABLE_ERRORS as e:
+                # Without the database the hole cannot be checked: cut the subscribers off so that
+                # each resumes from its last sequence (and catches up) instead of missing changes.
+                log.warning("hub.hole_unreadable", after=after, upto=upto, error=repr(e))
+                for sub in list(self._subscribers):
+                    sub.overflowed = True
+                    sub.closed.set()
+                return
+            page = [c for c in page if c.sequence < upto]
+            if not page:
+                return
+            for change in page:
+                self._publish(change)
+            after = page[-1].sequence
+
+    def _publish(self, change: Change) -> None:
+        self.last_sequence = change.sequence
+        for sub in list(self._subscribers):
+            sub.offer(change)
+
+
+def _envelope(event: ChangeEvent) -> dict[str, object]:
+    return {"schema_version": event.schema_version, "sequence": event.sequence, "type": event.type,
+            "partition": event.partition, "corpus_id": event.corpus_id, "lineage": event.lineage,
+            "occurred_at": event.occurred_at, "data": event.data}

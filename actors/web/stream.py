@@ -1,0 +1,233 @@
+"""``GET /corpus/stream``: the change history as Server-Sent Events, live, with catch-up.
+
+Resume from ``after`` (wins) or ``Last-Event-ID``; with neither, start at the current head (only
+new changes). The hand-over from catch-up to live has neither a gap nor a duplicate because the
+stream subscribes to the node's hub *before* it reads the history: every change committed later is
+in the subscription, every change committed earlier is in the history, and a change in both is sent
+once (the stream only ever sends sequences above the last one it sent).
+
+Frames: ``retry: 3000`` first; each change as ``id: <sequence>`` / ``event: <type>`` /
+``data: <envelope>``; one ``ready`` event (no id) when catch-up is done; a ``: heartbeat`` comment
+every ``TOASTMACHINE_STREAM_HEARTBEAT`` seconds (15); on a failure or when the client cannot keep up, one terminal ``stream-error`` event with
+fixed public text telling the client to resume from its last applied sequence, then the end.
+Filters: ``types`` (comma-separated event types), ``conversation`` (id), ``kinds`` (comma-separated
+message kinds, any of; applies to events that carry a message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from actors.history import Change, changes_after, head_sequence
+from actors.web.context import NODE
+from actors.web.hub import NotificationHub, Subscription
+from infra.db.pool import Target
+from infra.logs import get_logger
+from protocol.corpus import KINDS
+from protocol.errors import BadRequest, ServiceUnavailable
+from protocol.representations import EVENT_TYPES
+
+log = get_logger("toastmachine.actors.web.stream")
+
+HUB: web.AppKey[NotificationHub] = web.AppKey("hub", NotificationHub)
+#: Seconds one frame may take to reach a client before the client counts as stuck.
+WRITE_TIMEOUT = 10.0
+#: Times a stream restarts its catch-up because live events overflowed meanwhile.
+MAX_CATCH_UPS = 5
+_PARAMS = {"after", "types", "conversation", "kinds"}
+
+_RESUME = ("Keep the sequence of the last change you applied; reconnect with Last-Event-ID (or after=) set to "
+           "it, or catch up through /corpus/changes.jsonl?after=<it> first.")
+_ERRORS = {
+    "slow_consumer": ("The stream was closed because this client did not keep up.", _RESUME),
+    "internal_error": ("Unable to read corpus synchronization data.",
+                       _RESUME + " If failures persist, report them to the node operator."),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Filters:
+    types: frozenset[str] | None
+    conversation: str | None
+    kinds: frozenset[str] | None
+
+    def match(self, change: Change) -> bool:
+        if self.types is not None and change.type not in self.types:
+            return False
+        if self.conversation is None and self.kinds is None:
+            return True
+        data = orjson.loads(change.event)["data"]
+        if self.conversation is not None and _conversation_of(data) != self.conversation:
+            return False
+        if self.kinds is not None:
+            message = data.get("message")
+            if message is None or not self.kinds.intersection(message.get("kinds", ())):
+                return False
+        return True
+
+
+def _conversation_of(data: dict) -> str | None:
+    for key in ("message", "conversation"):
+        if key in data:
+            value = data[key].get("conversation_id") or data[key].get("id")
+            return str(value) if value is not None else None
+    return None  # relationships and retractions are matched by type, not by conversation
+
+
+def _parse(request: web.Request) -> tuple[int | None, _Filters]:
+    unknown = sorted(set(request.query) - _PARAMS)
+    if unknown:
+        raise BadRequest(f"Unknown query parameter {unknown[0]!r}.", code="invalid_parameter",
+                         extra={"field": unknown[0]},
+                         how_to_proceed=f"Use only: {', '.join(sorted(_PARAMS))}.")
+    raw = request.query.get("after")
+    field = "after"
+    if raw is None and "Last-Event-ID" in request.headers:
+        raw, field = request.headers["Last-Event-ID"].strip(), "Last-Event-ID"
+    after: int | None = None
+    if raw is not None:
+        if not raw.isdigit() or len(raw) > 18:
+            raise BadRequest(f"'{field}' must be a non-negative integer sequence.", code="invalid_parameter",
+                             extra={"field": field}, how_to_proceed="Send the sequence of the last change you applied.")
+        after = int(raw)
+
+    def listed(name: str, allowed: tuple[str, ...]) -> frozenset[str] | None:
+        value = request.query.get(name)
+        if value is None:
+            return None
+        items = frozenset(v for v in value.split(",") if v)
+        bad = sorted(items - set(allowed))
+        if not items or bad:
+            raise BadRequest(f"'{name}' has unknown value(s): {', '.join(bad) or '(empty)'}.",
+                             code="invalid_parameter", extra={"field": name},
+                             how_to_proceed=f"Use a comma-separated list of: {', '.join(allowed)}.")
+        return items
+
+    conversation = request.query.get("conversation")
+    if conversation is not None:
+        try:
+            conversation = str(uuid.UUID(conversation))
+        except ValueError:
+            raise BadRequest("'conversation' must be a conversation id.", code="invalid_parameter",
+                             extra={"field": "conversation"}, how_to_proceed="Send a UUID.") from None
+    return after, _Filters(listed("types", EVENT_TYPES), conversation, listed("kinds", KINDS))
+
+
+class _Stream:
+    """One client's stream: sends each sequence above ``last`` once, in order."""
+
+    def __init__(self, response: web.StreamResponse, filters: _Filters, last: int) -> None:
+        self.response = response
+        self.filters = filters
+        self.last = last
+
+    async def send(self, text: str) -> None:
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await self.response.write(text.encode())
+
+    async def change(self, change: Change) -> None:
+        if change.sequence <= self.last:
+            return
+        self.last = change.sequence
+        if self.filters.match(change):
+            await self.send(f"id: {change.sequence}\nevent: {change.type}\ndata: {change.event}\n\n")
+
+    async def error(self, code: str) -> None:
+        message, how = _ERRORS[code]
+        body = orjson.dumps({"schema_version": 1, "error": {"code": code, "message": message,
+                                                             "how_to_proceed": how}}).decode()
+        try:
+            async with asyncio.timeout(1.0):  # best effort: a stuck client gets no more time
+                await self.response.write(f"event: stream-error\ndata: {body}\n\n".encode())
+        except (TimeoutError, ConnectionError, RuntimeError):
+            pass
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """``GET /corpus/stream``."""
+    node = request.app[NODE]
+    if node.identity_error is not None:
+        raise ServiceUnavailable("This node's corpus identity does not match its database.",
+                                 code="lineage_unavailable",
+                                 how_to_proceed="Follow another node, or retry once the operator fixed it.")
+    after, filters = _parse(request)
+    hub = request.app[HUB]
+    heartbeat = node.settings.stream_heartbeat
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
+        "X-Accel-Buffering": "no", "Connection": "keep-alive"})
+    await response.prepare(request)
+    out = _Stream(response, filters, after if after is not None else 0)
+    try:
+        await out.send("retry: 3000\n\n")
+        for _ in range(MAX_CATCH_UPS):
+            async with hub.subscribe() as sub:
+                if after is None:
+                    out.last = after = await head_sequence(node.db)
+                await _catch_up(node.db, out)
+                if sub.overflowed:
+                    continue  # too much arrived meanwhile: catch up again from the history
+                await out.send(f"event: ready\ndata: {orjson.dumps({'sequence': out.last}).decode()}\n\n")
+                await _live(sub, out, heartbeat)
+                if sub.overflowed:
+                    await out.error("slow_consumer")
+                return response
+        await out.error("slow_consumer")
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away, or the node is stopping
+    except TimeoutError:
+        log.info("stream.client_stuck", last=out.last)
+        await out.error("slow_consumer")
+    except Exception:
+        log.exception("stream.failed", last=out.last)
+        await out.error("internal_error")
+    return response
+
+
+async def _catch_up(db: Target, out: _Stream) -> None:
+    while True:
+        page = await changes_after(db, out.last)
+        if not page:
+            return
+        for change in page:
+            await out.change(change)
+
+
+async def _live(sub: Subscription, out: _Stream, heartbeat: float) -> None:
+    while True:
+        try:
+            async with asyncio.timeout(heartbeat):
+                change = await sub.next()
+        except TimeoutError:
+            await out.send(": heartbeat\n\n")
+            continue
+        if change is None:
+            return
+        await out.change(change)
+
+
+async def _hub_context(app: web.Application) -> AsyncIterator[None]:
+    hub = app[HUB]
+    await hub.start()
+    yield
+    await hub.close()
+
+
+async def _end_streams(app: web.Application) -> None:
+    # Runs before aiohttp waits for handlers: open streams end now instead of holding shutdown.
+    await app[HUB].close()
+
+
+def add_routes(app: web.Application) -> None:
+    """The stream route, with this node's hub started and stopped with the app."""
+    node = app[NODE]
+    app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id)
+    app.cleanup_ctx.append(_hub_context)
+    app.on_shutdown.append(_end_streams)
+    app.router.add_get("/corpus/stream", stream)

@@ -1,0 +1,242 @@
+"""``GET /corpus/stream`` over real HTTP: catch-up, live hand-over, resume, filters, errors, slow clients.
+
+The stack (tests/corpus_fixtures.py) runs the web front with its notification hub and a corpus
+writer; the event publisher moves committed changes onto ``tm.events``, from where the hub fans them
+out. Every test runs on the embedded database with the in-process bus and on PostgreSQL with RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.corpus_fixtures import Agent, Stack
+from tests.sse import Frame, frames
+
+
+@contextlib.asynccontextmanager
+async def publishing(stack: Stack) -> AsyncIterator[None]:
+    """The event publisher, running for the block."""
+    from actors.publisher import EventPublisher
+
+    publisher = EventPublisher(stack.bus, stack.db, node_id="test-publisher", poll_interval=0.2)
+    await publisher.start()
+    try:
+        yield
+    finally:
+        await publisher.stop(grace=2)
+
+
+async def _sequences(stack: Stack) -> list[int]:
+    return [r["sequence"] for r in await stack.db.pool.fetch("select sequence from changes order by sequence")]
+
+
+async def _open(stack: Stack, query: str = "", headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+    resp = await stack.client.get("/corpus/stream" + query, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=None))
+    return resp
+
+
+async def _write(stack: Stack, agent: Agent, cid: str, n: int) -> None:
+    for i in range(n):
+        await stack.message(agent, cid, content=f"m{i}")
+
+
+async def _collect(resp: aiohttp.ClientResponse, until: int, frames_out: list[Frame], timeout: float = 30) -> None:
+    """Read frames until one with sequence ``until`` arrived."""
+    async with asyncio.timeout(timeout):
+        async for frame in frames(resp):
+            frames_out.append(frame)
+            if frame.id is not None and int(frame.id) >= until:
+                return
+
+
+async def test_catch_up_then_ready_then_live_without_gap_or_duplicate(stack: Stack) -> None:
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    await _write(stack, alice, cid, 5)
+    async with publishing(stack):
+        resp = await _open(stack, "?after=0")
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        assert resp.headers["Cache-Control"] == "no-store" and resp.headers["X-Accel-Buffering"] == "no"
+        got: list[Frame] = []
+        reader = frames(resp)
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                got.append(frame)
+                if frame.event == "ready":
+                    break
+        assert any("retry 3000" in c for c in got[0].comments)
+        caught_up = [int(f.id) for f in got if f.id is not None]
+        assert caught_up == await _sequences(stack)
+        assert got[-1].json() == {"sequence": caught_up[-1]}
+        # Live: writes keep arriving after ready.
+        writer = asyncio.create_task(_write(stack, alice, cid, 10))
+        live: list[Frame] = []
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                live.append(frame)
+                if len([f for f in live if f.id]) == 10:
+                    break
+        await writer
+        all_ids = caught_up + [int(f.id) for f in live if f.id is not None]
+        assert all_ids == await _sequences(stack)
+        first = live[0]
+        assert first.event == "message.appended"
+        envelope = first.json()
+        assert envelope["sequence"] == int(first.id or -1) and envelope["type"] == "message.appended"
+        resp.close()
+
+
+async def test_without_a_cursor_the_stream_starts_at_the_head(stack: Stack) -> None:
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    await _write(stack, alice, cid, 3)
+    head = (await _sequences(stack))[-1]
+    async with publishing(stack):
+        resp = await _open(stack)
+        reader = frames(resp)
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.event == "ready":
+                    assert frame.json() == {"sequence": head}
+                    break
+                assert frame.id is None, "a stream without a cursor must not replay history"
+        await stack.message(alice, cid, content="new")
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.id is not None:
+                    assert int(frame.id) > head
+                    break
+        resp.close()
+
+
+async def test_resume_with_last_event_id_at_random_points_applies_every_sequence_once(stack: Stack) -> None:
+    """The SPEC's resume contract, while writes keep arriving, across catch-up/live hand-overs."""
+    rng = random.Random(7)
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    await _write(stack, alice, cid, 20)
+    total = 120
+    applied: list[int] = []
+    async with publishing(stack):
+        writer = asyncio.create_task(_write(stack, alice, cid, total))
+        last: int | None = None
+        try:
+            while not writer.done() or (applied and applied[-1] < (await _sequences(stack))[-1]):
+                headers = {"Last-Event-ID": str(last)} if last is not None else {}
+                resp = await _open(stack, "" if last is not None else "?after=0", headers)
+                budget = rng.randint(1, 25)  # drop the connection after this many changes
+                async with asyncio.timeout(30):
+                    async for frame in frames(resp):
+                        if frame.id is None:
+                            continue
+                        applied.append(int(frame.id))
+                        last = int(frame.id)
+                        budget -= 1
+                        if budget == 0:
+                            break
+                resp.close()
+        finally:
+            await writer
+    assert applied == await _sequences(stack)
+
+
+async def test_filters(stack: Stack) -> None:
+    alice = await stack.register()
+    one = (await stack.conversation(alice, "one"))["conversation"]["id"]
+    two = await stack.conversation(alice, "two")
+    claim = await stack.message(alice, one, content="a claim", kinds=["claim"])
+    await stack.message(alice, one, content="a post")
+    await stack.post(alice, "/relationships", {"type": "extends", "source_message_id": claim["message"]["id"],
+                                               "target_message_id": two["message"]["id"]})
+    head = (await _sequences(stack))[-1]
+
+    async def seen(query: str) -> list[Frame]:
+        resp = await _open(stack, query)
+        out: list[Frame] = []
+        async with asyncio.timeout(30):
+            async for frame in frames(resp):
+                if frame.event == "ready":
+                    break
+                if frame.id is not None:
+                    out.append(frame)
+        resp.close()
+        return out
+
+    async with publishing(stack):
+        kinds = await seen("?after=0&kinds=claim")
+        assert [f.json()["data"]["message"]["content"] for f in kinds] == ["a claim"]
+        types = await seen("?after=0&types=relationship.asserted,conversation.created")
+        assert [f.event for f in types] == ["conversation.created", "conversation.created", "relationship.asserted"]
+        conv = await seen(f"?after=0&conversation={one}")
+        assert [f.event for f in conv] == ["conversation.created", "message.appended", "message.appended"]
+        assert head == int(types[-1].id or 0)
+
+
+@pytest.mark.parametrize(("query", "headers", "field"), [
+    ("?after=-1", {}, "after"), ("?after=abc", {}, "after"), ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
+    ("?types=nope", {}, "types"), ("?kinds=", {}, "kinds"), ("?conversation=42", {}, "conversation"),
+    ("?colour=red", {}, "colour"),
+])
+async def test_bad_parameters_answer_400_with_the_envelope(stack: Stack, query: str, headers: dict[str, str],
+                                                           field: str) -> None:
+    resp = await _open(stack, query, headers)
+    body: Any = await resp.json()
+    assert resp.status == 400
+    assert body["error"]["code"] == "invalid_parameter" and body["error"]["field"] == field
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.05")
+async def test_idle_stream_sends_heartbeats(stack: Stack) -> None:
+    async with publishing(stack):
+        resp = await _open(stack, "?after=0")
+        beats = 0
+        async with asyncio.timeout(30):
+            async for frame in frames(resp):
+                beats += "heartbeat" in frame.comments
+                if beats == 2:
+                    break
+        resp.close()
+
+
+async def test_a_client_that_does_not_keep_up_is_cut_off_with_a_resume_hint(stack: Stack) -> None:
+    """The hub's per-client queue is bounded: a stalled reader is cut off, memory stays flat.
+
+    The client stops reading; big changes fill the socket buffers until the server's writes block,
+    then the client's hub queue (3 changes here) overflows. When the client reads again it gets what
+    was in flight and then the terminal ``stream-error`` telling it how to resume.
+    """
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
+    hub.subscriber_queue = 3
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    async with publishing(stack):
+        resp = await _open(stack)
+        reader = frames(resp)
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.event == "ready":
+                    break
+        big = "x" * 60_000
+        for _ in range(2_000):
+            await stack.message(alice, cid, content=big)
+            if any(sub.overflowed for sub in hub._subscribers):
+                break
+        assert any(sub.overflowed for sub in hub._subscribers), "the stalled client was never cut off"
+        got: list[Frame] = []
+        async with asyncio.timeout(60):
+            async for frame in reader:
+                got.append(frame)
+        assert got[-1].event == "stream-error", [f.event for f in got[-3:]]
+        error = got[-1].json()["error"]
+        assert error["code"] == "slow_consumer" and "Last-Event-ID" in error["how_to_proceed"]
+        assert hub.subscribers == 0
