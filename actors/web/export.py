@@ -1,0 +1,420 @@
+"""Synchronization reads: ``GET /corpus``, ``GET /corpus/changes.jsonl`` and ``GET /corpus/snapshot.jsonl``.
+
+A mirror starts from the snapshot (every current conversation, message and relationship, with
+retraction state, as of one stated boundary sequence ``X-Corpus-At``), then follows the change
+history with ``changes.jsonl?after=<that boundary>``, page after page, using ``X-Corpus-Next`` as the
+next ``after``. Both answers are read inside one REPEATABLE READ, read-only transaction, so the
+headers and the body describe the same database snapshot, and both are streamed from a server-side
+cursor: a page is never held in memory, whatever its size.
+
+Sequence numbers only mean something within one history lineage (a restore gets a fresh one), so a
+follower may send the lineage it is following (``lineage=`` or ``X-Corpus-Lineage``); a different one
+is refused with 409 ``lineage_mismatch``. A node whose configured identity does not match its database
+answers every route here with 503 ``lineage_unavailable`` (SPEC §4).
+
+Each stream holds one pooled database connection and one snapshot for as long as the client takes to
+read it, so streams are bounded per node (:data:`EXPORT_SLOTS`) and a client that stops reading for
+:data:`WRITE_TIMEOUT` seconds is cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlencode
+
+from aiohttp import web
+
+from actors.web.agents import negotiate
+from actors.web.context import NODE
+from infra.db.pool import connection
+from infra.http import json_response
+from infra.logs import get_logger
+from protocol import representations as rep
+from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
+
+log = get_logger("toastmachine.actors.web.export")
+
+#: The media type of both JSONL routes: one JSON document per line, UTF-8, ``\n``-terminated.
+JSONL = "application/x-ndjson"
+DEFAULT_LIMIT = 1000
+MAX_LIMIT = 10_000
+#: Rows fetched from the server-side cursor per round trip (and bytes written per chunk, about).
+FETCH_ROWS = 1000
+#: Seconds one chunk may take to reach the client before the stream is cut off.
+WRITE_TIMEOUT = 30.0
+#: Seconds a request waits for a free export slot before it is answered 503 (retry later).
+SLOT_WAIT = 5.0
+
+CHANGES_PATH = "/corpus/changes.jsonl"
+SNAPSHOT_PATH = "/corpus/snapshot.jsonl"
+STREAM_PATH = "/corpus/stream"
+
+#: Concurrent JSONL streams of one app; each holds a pooled connection while the client reads.
+EXPORT_SLOTS: web.AppKey[asyncio.Semaphore] = web.AppKey("export_slots", asyncio.Semaphore)
+
+_SEQUENCE_RE = re.compile(r"[0-9]{1,18}")
+_CHANGES_PARAMS = ("after", "limit", "lineage")
+
+
+def add_routes(app: web.Application) -> None:
+    """The corpus synchronization routes, with this app's bound on concurrent streams."""
+    pool_size = app[NODE].settings.db_pool_size
+    # Half the pool at most: writes' auth lookups, the SSE catch-up and /corpus still get connections.
+    app[EXPORT_SLOTS] = asyncio.Semaphore(max(1, pool_size // 2))
+    app.router.add_get("/corpus", corpus_info)
+    app.router.add_get(CHANGES_PATH, changes)
+    app.router.add_get(SNAPSHOT_PATH, snapshot)
+
+
+# --- request checks ----------------------------------------------------------------------------
+
+
+def _identity(request: web.Request) -> tuple[str, str]:
+    """(corpus_id, lineage) of this node, or 503 ``lineage_unavailable``."""
+    node = request.app[NODE]
+    if node.identity_error is not None or node.identity is None:
+        raise ServiceUnavailable(
+            "This node's corpus identity does not match its database; it serves no synchronization data.",
+            code="lineage_unavailable",
+            how_to_proceed="Keep your cursor and follow another node of this corpus, or retry once the "
+                           "operator fixed the corpus identity.")
+    return str(node.identity.corpus_id), str(node.identity.lineage)
+
+
+def _identity_headers(corpus_id: str, lineage: str) -> dict[str, str]:
+    return {"X-Corpus-Id": corpus_id, "X-Corpus-Lineage": lineage, "Cache-Control": "no-store"}
+
+
+def _reject_unknown(request: web.Request, allowed: tuple[str, ...]) -> None:
+    for name in request.query:
+        if name not in allowed:
+            accepted = ", ".join(allowed) if allowed else "none"
+            raise BadRequest(f"Unknown query parameter {name!r}.", code="invalid_parameter",
+                             extra={"field": name}, how_to_proceed=f"Query parameters accepted here: {accepted}.")
+        if len(request.query.getall(name)) > 1:
+            raise BadRequest(f"Query parameter {name!r} is given more than once.", code="invalid_parameter",
+                             extra={"field": name}, how_to_proceed=f"Send {name!r} once.")
+
+
+def _sequence_param(request: web.Request, name: str, default: int, low: int, high: int | None) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    value = int(raw) if _SEQUENCE_RE.fullmatch(raw) else -1
+    if value < low or (high is not None and value > high):
+        bounds = f"an integer from {low} to {high}" if high is not None else "a non-negative integer"
+        raise BadRequest(f"{name!r} must be {bounds}.", code="invalid_parameter", extra={"field": name},
+                         how_to_proceed=_PARAM_HELP[name])
+    return value
+
+
+_PARAM_HELP = {
+    "after": "Send the sequence of the last change you applied (0 for the start), e.g. the previous page's "
+             "X-Corpus-Next; never compute it as after + limit.",
+    "limit": f"Send at most {MAX_LIMIT} (the default is {DEFAULT_LIMIT}).",
+}
+
+
+def _check_lineage(request: web.Request, corpus_id: str, lineage: str) -> str | None:
+    """The lineage the client follows (query wins over header), refused with 409 if it is not ours."""
+    for source, raw in (("lineage", request.query.get("lineage")),
+                        ("X-Corpus-Lineage", request.headers.get("X-Corpus-Lineage"))):
+        if raw is None:
+            continue
+        try:
+            theirs = str(uuid.UUID(raw.strip()))
+        except ValueError:
+            raise BadRequest(f"{source!r} must be a history lineage (a UUID).", code="invalid_parameter",
+                             extra={"field": source},
+                             how_to_proceed="Send the X-Corpus-Lineage value of the history you follow.") from None
+        if theirs != lineage:
+            raise Conflict(
+                f"Your cursor belongs to history lineage {theirs}; this node serves lineage {lineage}. "
+                "Sequence numbers of different lineages are unrelated.",
+                code="lineage_mismatch", headers=_identity_headers(corpus_id, lineage),
+                extra={"field": source, "lineage": lineage},
+                how_to_proceed=f"Discard your local copy and cursor, load GET {SNAPSHOT_PATH}, then follow "
+                               f"{CHANGES_PATH}?after=<its X-Corpus-At>&lineage={lineage}.")
+        return theirs if source == "lineage" else None
+    return None
+
+
+def _accept_jsonl(request: web.Request) -> None:
+    if negotiate(request.headers.get("Accept"), (JSONL, "application/jsonl")) is None:
+        raise NotAcceptable(f"This route produces only {JSONL}.", how_to_proceed=f"Send 'Accept: {JSONL}' or */*.")
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+
+class _Slot:
+    """One of the app's export slots, or 503 when none frees up within :data:`SLOT_WAIT`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._semaphore = request.app[EXPORT_SLOTS]
+
+    async def __aenter__(self) -> None:
+        try:
+            async with asyncio.timeout(SLOT_WAIT):
+                await self._semaphore.acquire()
+        except TimeoutError:
+            raise ServiceUnavailable(
+                "Too many synchronization streams are open on this node.", code="export_busy",
+                headers={"Retry-After": "2"},
+                how_to_proceed="Retry after the seconds in Retry-After with the same cursor.") from None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._semaphore.release()
+
+
+async def _start(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**headers, "Content-Type": JSONL, "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    return response
+
+
+async def _pump(request: web.Request, response: web.StreamResponse,
+                chunks: AsyncIterator[bytes]) -> None:
+    """Write ``chunks`` to the prepared ``response``; an error now can only cut the connection.
+
+    The status line is already sent, so a failure mid-stream cannot become an error envelope. The
+    connection is aborted instead, so the client sees an incomplete chunked body (an error), never a
+    page that merely looks short; every complete line it got is still valid to apply.
+    """
+    try:
+        async for chunk in chunks:
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                await response.write(chunk)
+        await response.write_eof()
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client went away, or the node is stopping
+    except TimeoutError:
+        log.info("export.client_stuck", path=request.path)
+        _abort(request)
+    except Exception:
+        log.exception("export.failed", path=request.path)
+        _abort(request)
+
+
+def _abort(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def _rows(cursor: Any) -> AsyncIterator[list[Any]]:
+    while True:
+        rows = await cursor.fetch(FETCH_ROWS)
+        if not rows:
+            return
+        yield rows
+
+
+# --- GET /corpus/changes.jsonl -----------------------------------------------------------------
+
+#: Head, earliest and the last sequence of the requested page, in the transaction's snapshot.
+_PAGE_BOUNDS = (
+    "select (select coalesce(max(sequence), 0) from changes) as head,"
+    " (select coalesce(min(sequence), 0) from changes) as earliest,"
+    " (select max(sequence) from (select sequence from changes where sequence > $1"
+    "  order by sequence limit $2) as page) as last")
+#: The stored envelopes as UTF-8 bytes, newline included: written out without decoding them.
+_PAGE = ("select convert_to(event || E'\\n', 'UTF8') from changes"
+         " where sequence > $1 and sequence <= $2 order by sequence")
+
+
+async def changes(request: web.Request) -> web.StreamResponse:
+    """``GET /corpus/changes.jsonl?after=&limit=&lineage=``: the change history, one envelope per line."""
+    corpus_id, lineage = _identity(request)
+    _reject_unknown(request, _CHANGES_PARAMS)
+    after = _sequence_param(request, "after", 0, 0, None)
+    limit = _sequence_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    echoed_lineage = _check_lineage(request, corpus_id, lineage)
+    _accept_jsonl(request)
+    async with _Slot(request), connection(request.app[NODE].db) as conn, \
+            conn.transaction(isolation="repeatable_read", readonly=True):
+        bounds = await conn.fetchrow(_PAGE_BOUNDS, after, limit)
+        head, last = bounds["head"], bounds["last"]
+        next_after = last if last is not None else after
+        query: dict[str, str | int] = {"after": next_after, "limit": limit}
+        if echoed_lineage is not None:
+            query["lineage"] = echoed_lineage
+        headers = {
+            **_identity_headers(corpus_id, lineage),
+            "X-Corpus-After": str(after), "X-Corpus-At": str(head), "X-Corpus-Next": str(next_after),
+            "X-Corpus-Has-More": "true" if next_after < head else "false",
+            "X-Corpus-Earliest": str(bounds["earliest"]),
+            "Link": f'<{CHANGES_PATH}?{urlencode(query)}>; rel="next"',
+        }
+        response = await _start(request, headers)
+        if last is not None and request.method != "HEAD":
+            cursor = await conn.cursor(_PAGE, after, last)
+            await _pump(request, response, _page_chunks(cursor))
+        else:
+            await response.write_eof()
+    return response
+
+
+async def _page_chunks(cursor: Any) -> AsyncIterator[bytes]:
+    async for rows in _rows(cursor):
+        yield b"".join(row[0] for row in rows)
+
+
+# --- GET /corpus/snapshot.jsonl ----------------------------------------------------------------
+
+_SNAPSHOT_HEAD = "select coalesce(max(sequence), 0) from changes"
+# Every entity row is committed in the same transaction as the change that created it, so within
+# one snapshot an entity is visible exactly when its change is: joining through ``changes`` is exact.
+_SNAPSHOT_CONVERSATIONS = (
+    "select ch.sequence, c.id, c.subject, c.author_id, a.name as author_name, c.root_message_id, c.created_at,"
+    " s.message_count, s.last_sequence"
+    " from changes ch join conversations c on c.root_message_id = ch.message_id"
+    " join agents a on a.agent_id = c.author_id"
+    " join (select conversation_id, count(*) as message_count, max(sequence) as last_sequence"
+    "       from changes where message_id is not null group by conversation_id) s on s.conversation_id = c.id"
+    " where ch.type = 'conversation.created' order by ch.sequence")
+_SNAPSHOT_MESSAGES = (
+    "select ch.sequence, m.id, m.conversation_id, m.author_id, a.name as author_name, m.created_at, m.kinds,"
+    " m.content, m.payload, m.schema_name, m.schema_version, m.reply_to, m.tags, m.mention_ids,"
+    " array(select g.name from unnest(m.mention_ids) with ordinality as u(agent_id, ord)"
+    "       join agents g on g.agent_id = u.agent_id order by u.ord) as mention_names"
+    " from changes ch join messages m on m.id = ch.message_id join agents a on a.agent_id = m.author_id"
+    " where ch.message_id is not null order by ch.sequence")
+_SNAPSHOT_RELATIONSHIPS = (
+    "select ch.sequence, r.id, r.type, r.source_message_id, r.target_message_id, r.author_id,"
+    " a.name as author_name, r.created_at, x.id as retraction_id, xc.sequence as retraction_sequence,"
+    " x.created_at as retraction_created_at"
+    " from changes ch join relationships r on r.id = ch.relationship_id join agents a on a.agent_id = r.author_id"
+    " left join retractions x on x.relationship_id = r.id"
+    " left join changes xc on xc.retraction_id = x.id"
+    " where ch.relationship_id is not null order by ch.sequence")
+
+
+def _conversation(row: Any) -> dict[str, Any]:
+    return rep.conversation(
+        id=str(row["id"]), subject=row["subject"], author_id=str(row["author_id"]),
+        author_name=row["author_name"], root_message_id=str(row["root_message_id"]),
+        created_sequence=row["sequence"], created_at=row["created_at"], message_count=row["message_count"],
+        last_sequence=row["last_sequence"])
+
+
+def _message(row: Any) -> dict[str, Any]:
+    return rep.message(
+        id=str(row["id"]), conversation_id=str(row["conversation_id"]), author_id=str(row["author_id"]),
+        author_name=row["author_name"], sequence=row["sequence"], created_at=row["created_at"],
+        kinds=row["kinds"], content=row["content"], payload_json=row["payload"],
+        schema_name=row["schema_name"], schema_version=row["schema_version"],
+        reply_to=str(row["reply_to"]) if row["reply_to"] is not None else None, tags=row["tags"],
+        mentions=[(str(i), n) for i, n in zip(row["mention_ids"], row["mention_names"], strict=True)])
+
+
+def _relationship(row: Any) -> dict[str, Any]:
+    retraction = None
+    if row["retraction_id"] is not None:
+        retraction = rep.retraction_ref(id=str(row["retraction_id"]), sequence=row["retraction_sequence"],
+                                        created_at=row["retraction_created_at"])
+    return rep.relationship(
+        id=str(row["id"]), type=row["type"], source_message_id=str(row["source_message_id"]),
+        target_message_id=str(row["target_message_id"]), author_id=str(row["author_id"]),
+        author_name=row["author_name"], sequence=row["sequence"], created_at=row["created_at"],
+        retraction=retraction)
+
+
+#: (kind, query, builder) in the order entities sharing a sequence are written: a conversation
+#: before its root message.
+_SNAPSHOT_SOURCES: tuple[tuple[str, str, Callable[[Any], dict[str, Any]]], ...] = (
+    ("conversation", _SNAPSHOT_CONVERSATIONS, _conversation),
+    ("message", _SNAPSHOT_MESSAGES, _message),
+    ("relationship", _SNAPSHOT_RELATIONSHIPS, _relationship),
+)
+
+
+class _Source:
+    """One kind's rows, read ahead a batch at a time from its cursor."""
+
+    def __init__(self, rank: int, kind: str, cursor: Any, build: Callable[[Any], dict[str, Any]]) -> None:
+        self.rank, self.kind, self.cursor, self.build = rank, kind, cursor, build
+        self.rows: list[Any] = []
+        self.at = 0
+        self.done = False
+
+    async def peek(self) -> Any | None:
+        if self.at == len(self.rows) and not self.done:
+            self.rows, self.at = await self.cursor.fetch(FETCH_ROWS), 0
+            self.done = not self.rows
+        return None if self.done else self.rows[self.at]
+
+    def line(self) -> bytes:
+        row = self.rows[self.at]
+        self.at += 1
+        return rep.dumps({"kind": self.kind, "sequence": row["sequence"], "data": self.build(row)}) + b"\n"
+
+
+async def _snapshot_chunks(sources: list[_Source]) -> AsyncIterator[bytes]:
+    """The kinds' rows merged in (sequence, kind rank) order, about :data:`FETCH_ROWS` lines a chunk."""
+    chunk: list[bytes] = []
+    while True:
+        best: _Source | None = None
+        best_key: tuple[int, int] | None = None
+        for source in sources:
+            row = await source.peek()
+            if row is not None and (best_key is None or (row["sequence"], source.rank) < best_key):
+                best, best_key = source, (row["sequence"], source.rank)
+        if best is None:
+            break
+        chunk.append(best.line())
+        if len(chunk) >= FETCH_ROWS:
+            yield b"".join(chunk)
+            chunk = []
+    if chunk:
+        yield b"".join(chunk)
+
+
+async def snapshot(request: web.Request) -> web.StreamResponse:
+    """``GET /corpus/snapshot.jsonl``: current state as resource lines, at boundary ``X-Corpus-At``."""
+    corpus_id, lineage = _identity(request)
+    _reject_unknown(request, ())
+    _accept_jsonl(request)
+    async with _Slot(request), connection(request.app[NODE].db) as conn, \
+            conn.transaction(isolation="repeatable_read", readonly=True):
+        at = await conn.fetchval(_SNAPSHOT_HEAD)  # the first statement fixes the transaction's snapshot
+        headers = {**_identity_headers(corpus_id, lineage), "X-Corpus-At": str(at),
+                   "Link": f'<{CHANGES_PATH}?{urlencode({"after": at, "lineage": lineage})}>; rel="next"'}
+        response = await _start(request, headers)
+        if request.method == "HEAD":
+            await response.write_eof()
+            return response
+        sources = [_Source(rank, kind, await conn.cursor(query), build)
+                   for rank, (kind, query, build) in enumerate(_SNAPSHOT_SOURCES)]
+        await _pump(request, response, _snapshot_chunks(sources))
+    return response
+
+
+# --- GET /corpus -------------------------------------------------------------------------------
+
+_INFO = (
+    "select (select coalesce(max(sequence), 0) from changes) as head,"
+    " (select coalesce(min(sequence), 0) from changes) as earliest,"
+    " (select count(*) from agents) as agents, (select count(*) from conversations) as conversations,"
+    " (select count(*) from messages) as messages, (select count(*) from relationships) as relationships,"
+    " (select count(*) from changes) as changes")
+
+
+async def corpus_info(request: web.Request) -> web.Response:
+    """``GET /corpus``: identity, head and earliest sequence, counts and the synchronization links."""
+    corpus_id, lineage = _identity(request)
+    _reject_unknown(request, ())
+    # One statement sees one snapshot: the counts and the head agree with each other.
+    row = await request.app[NODE].db.pool.fetchrow(_INFO)
+    body = {
+        "corpus_id": corpus_id, "lineage": lineage,
+        "head_sequence": row["head"], "earliest_sequence": row["earliest"],
+        "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
+        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
+    }
+    return json_response(body, headers=_identity_headers(corpus_id, lineage))
+
