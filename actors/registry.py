@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from actors.publisher import EventPublisher, export_metrics
 from actors.writer import CorpusWriter
 from infra.runtime import Actor
 
@@ -18,7 +19,15 @@ def _writer(node: Node) -> Actor:
                         max_batch=node.settings.writer_max_batch, linger=node.settings.writer_linger_ms / 1000)
 
 
+def _publisher(node: Node) -> Actor:
+    export_metrics(node.metrics.registry,
+                   lambda: node.supervisor.actors.get("publisher") if node.supervisor is not None else None)
+    dsn = node.settings.database_url or (node.embedded.dsn if node.embedded is not None else None)
+    return EventPublisher(node.bus, node.db, node_id=node.settings.node_id, dsn=dsn)
+
+
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).
 ACTORS: dict[str, Callable[[Node], Actor]] = {
     "writer": _writer,
+    "publisher": _publisher,
 }

@@ -1,0 +1,430 @@
+"""Event publisher: moves committed changes from the change history onto ``tm.events``.
+
+Consumes: the ``changes`` table as a transactional outbox, after its durable cursor (the one row of
+``publisher_cursor``). It is woken by ``NOTIFY tm_changes`` (a trigger on ``changes``, delivered at
+commit) and polls every ``poll_interval`` seconds in case a notification is lost.
+
+Does: reads up to ``batch_size`` changes after the cursor in sequence order and publishes them,
+``window`` at a time concurrently, each as a :class:`~protocol.events.ChangeEvent` (the stored
+envelope, decoded by the codec) with routing key ``<type>.<partition>``, ``message_id``
+``<lineage>:<sequence>``, the corpus headers and the writer's trace id. :meth:`Bus.publish` returns
+once the broker confirmed, so the cursor advances to the highest sequence below which every event
+is confirmed, and never past one that is not. When the bus is down the publish times out; the
+publisher backs off and starts again from the cursor.
+
+Single-active: every instance opens a connection of its own and tries a session-level advisory
+lock (:data:`PUBLISHER_LOCK`) on it. The holder is active; the others are standby and try again
+every ``standby_interval`` seconds, so one of them takes over within about a second of the active
+one's death (its connection closes, PostgreSQL releases the lock). The active one reads, listens
+and moves the cursor on that same connection: if it drops, the publisher stops publishing at once
+(another may already have taken over) and goes back to standby.
+
+Emits: events on ``tm.events``, at least once each. A publisher that dies between a confirm and the
+cursor update, or loses its lock mid-window, leaves events that the next active one publishes
+again; consumers deduplicate on the sequence (the notification hub does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import asyncpg
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from infra.bus.base import EVENTS_EXCHANGE, Bus, HeaderValue
+from infra.db import Database
+from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
+from infra.logs import TRACE_HEADER
+from infra.runtime import Actor
+from protocol.errors import BusError, ProtocolDecodeError, ToastMachineError
+from protocol.events import ChangeEvent, event_headers
+from protocol.messages import decode_message
+
+#: Key of the session-level advisory lock held by the active publisher: the first 8 bytes of
+#: sha256(b"toastmachine:publisher") as a signed big-endian integer (other keys: the migration lock
+#: in :mod:`infra.db.migrations`, the sequence lock in :mod:`actors.writer.store`).
+PUBLISHER_LOCK = 5270762781211293730
+#: The channel the ``changes`` trigger notifies (migration 0003).
+NOTIFY_CHANNEL = "tm_changes"
+
+#: Changes read from the history per query.
+DEFAULT_BATCH_SIZE = 500
+#: Publishes in flight at once; the cursor advances after each window.
+DEFAULT_WINDOW = 100
+#: Seconds between polls of the history when no notification arrives.
+DEFAULT_POLL_INTERVAL = 1.0
+#: Seconds between a standby's attempts to take the lock.
+DEFAULT_STANDBY_INTERVAL = 1.0
+#: Seconds a publish may wait for its confirm (across a reconnect) before it counts as failed.
+DEFAULT_PUBLISH_TIMEOUT = 10.0
+#: Back-off after a failed window: doubles from the first value up to the second.
+RETRY_BACKOFF = (0.2, 5.0)
+#: Seconds allowed to open the lock connection.
+CONNECT_TIMEOUT = 10.0
+
+_READ_CHANGES = ("select sequence, event, trace_id from changes where sequence > $1 "
+                 "order by sequence limit $2")
+# Never backwards: a cursor only records what was confirmed, whoever wrote it.
+_ADVANCE_CURSOR = ("update publisher_cursor set sequence = $1, updated_at = now() "
+                   "where sequence < $1")
+_HOLDER = ("select a.application_name from pg_locks l join pg_stat_activity a on a.pid = l.pid "
+           "where l.locktype = 'advisory' and l.granted and l.objsubid = 1 "
+           "and l.classid = $1 and l.objid = $2 "
+           "and l.database = (select oid from pg_database where datname = current_database())")
+
+T = TypeVar("T")
+
+
+class PublisherError(ToastMachineError):
+    """A change in the history cannot be published (its stored envelope does not decode)."""
+
+
+class LockLost(ToastMachineError):
+    """The connection holding the publisher lock is gone: another instance may be active now."""
+
+
+#: What ends an active period: the lock session went away (the lock may be someone else's now).
+_SESSION_ERRORS: tuple[type[BaseException], ...] = (LockLost, *UNAVAILABLE_ERRORS)
+
+
+def application_name(node_id: str) -> str:
+    """The ``application_name`` of a publisher's lock connection (shown in ``pg_stat_activity``)."""
+    return f"toastmachine-publisher:{node_id}"[:63]  # PostgreSQL truncates at 63 bytes anyway
+
+
+async def active_publisher(target: Target) -> str | None:
+    """The ``application_name`` of the session holding the publisher lock, or None when none does."""
+    classid, objid = (PUBLISHER_LOCK >> 32) & 0xFFFF_FFFF, PUBLISHER_LOCK & 0xFFFF_FFFF
+    async with connection(target) as conn:
+        name = await conn.fetchval(_HOLDER, classid, objid)
+    return str(name) if name is not None else None
+
+
+async def read_cursor(target: Target) -> int:
+    """The publisher's cursor: every change up to it has been published and confirmed."""
+    async with connection(target) as conn:
+        return int(await conn.fetchval("select sequence from publisher_cursor"))
+
+
+class _LockSession:
+    """One publisher's own database session: the advisory lock, LISTEN, the reads and the cursor.
+
+    With a DSN it is a dedicated connection, closed at the end (which drops the lock and the
+    LISTEN). Without one (tests that hold only a pool) it borrows a pool connection for as long as
+    it lives and undoes its session state before giving it back.
+    """
+
+    def __init__(self, conn: Any, release: Callable[[], Awaitable[None]]) -> None:
+        self.conn = conn
+        self.lost = asyncio.Event()
+        self.locked = False
+        self._release = release
+        self._closed = False
+        conn.add_termination_listener(self._on_terminated)
+
+    def _on_terminated(self, _conn: Any) -> None:
+        self.lost.set()
+
+    async def try_lock(self) -> bool:
+        self.locked = bool(await self.conn.fetchval("select pg_try_advisory_lock($1)", PUBLISHER_LOCK))
+        return self.locked
+
+    async def close(self) -> None:
+        """Give the lock up and release the connection. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.conn.remove_termination_listener(self._on_terminated)
+        try:
+            await self._release()
+        except Exception:  # noqa: BLE001 - a broken connection: the server dropped its session anyway
+            with contextlib.suppress(Exception):
+                self.conn.terminate()
+
+
+class EventPublisher(Actor):
+    """The event publisher actor (see the module docstring).
+
+    Args:
+        bus: where events are published (``tm.events``).
+        db: the database; its pool is only used for the lock session when ``dsn`` is None.
+        node_id: this process's name; the lock connection's ``application_name`` carries it.
+        dsn: PostgreSQL DSN for the dedicated lock connection (None: borrow one from ``db``'s pool).
+        batch_size: changes read per query.
+        window: publishes in flight at once.
+        poll_interval: seconds between polls when no notification arrives.
+        standby_interval: seconds between a standby's attempts to take the lock.
+        publish_timeout: seconds a publish may wait for its confirm before the window is retried.
+    """
+
+    name = "publisher"
+
+    def __init__(self, bus: Bus, db: Database, *, node_id: str, dsn: str | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE, window: int = DEFAULT_WINDOW,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 standby_interval: float = DEFAULT_STANDBY_INTERVAL,
+                 publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT) -> None:
+        super().__init__()
+        self.bus = bus
+        self.db = db
+        self.node_id = node_id
+        self.dsn = dsn
+        self.batch_size = max(1, batch_size)
+        self.window = max(1, min(window, self.batch_size))
+        self.poll_interval = poll_interval
+        self.standby_interval = standby_interval
+        self.publish_timeout = publish_timeout
+        #: True while this instance holds the lock and publishes.
+        self.active = False
+        #: The durable cursor as this instance last read or wrote it (None before it was active).
+        self.cursor: int | None = None
+        #: Events this instance published and had confirmed (republished ones included).
+        self.published = 0
+        #: Times this instance became active.
+        self.activations = 0
+        self._wake = asyncio.Event()
+        self._cursor_moved = asyncio.Event()
+
+    # --- observing ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """``{"active", "cursor", "published"}`` for health pages and logs."""
+        return {"active": self.active, "cursor": self.cursor, "published": self.published}
+
+    async def wait_cursor(self, sequence: int) -> None:
+        """Wait until this instance has moved the durable cursor to ``sequence`` or past it.
+
+        Wrap it in a timeout: it waits for ever on a standby or while the bus is down.
+        """
+        while self.cursor is None or self.cursor < sequence:
+            moved = self._cursor_moved
+            await moved.wait()
+
+    def _set_cursor(self, sequence: int) -> None:
+        self.cursor = sequence
+        moved, self._cursor_moved = self._cursor_moved, asyncio.Event()
+        moved.set()
+
+    # --- main loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        session: _LockSession | None = None
+        standby_logged = False
+        unavailable_logged = False
+        try:
+            while not self._stop_requested.is_set():
+                if session is None:
+                    try:
+                        session = await self._open_session()
+                    except UNAVAILABLE_ERRORS as e:
+                        if not unavailable_logged:
+                            self.log.warning("publisher.database_unavailable", error=repr(e),
+                                             retry_every=self.standby_interval)
+                            unavailable_logged = True
+                        await self._pause(self.standby_interval)
+                        continue
+                    unavailable_logged = False
+                try:
+                    locked = await session.try_lock()
+                except UNAVAILABLE_ERRORS as e:
+                    self.log.warning("publisher.session_lost", error=repr(e))
+                    await session.close()
+                    session = None
+                    continue
+                if not locked:
+                    if not standby_logged:
+                        self.log.info("publisher.standby", retry_every=self.standby_interval,
+                                      detail="another publisher holds the lock")
+                        standby_logged = True
+                    await self._pause(self.standby_interval, session.lost)
+                    if session.lost.is_set():
+                        await session.close()
+                        session = None
+                    continue
+                standby_logged = False
+                try:
+                    await self._publish_while_active(session)
+                except _SESSION_ERRORS as e:
+                    # The lock may be someone else's by now: publish nothing more on this session.
+                    self.log.warning("publisher.lock_lost", error=repr(e), cursor=self.cursor,
+                                     detail="stopped publishing; back to standby")
+                finally:
+                    self.active = False
+                    await session.close()
+                    session = None
+        finally:
+            self.active = False
+            if session is not None:
+                await session.close()
+
+    async def _open_session(self) -> _LockSession:
+        app = application_name(self.node_id)
+        if self.dsn is not None:
+            conn = await asyncpg.connect(self.dsn, timeout=CONNECT_TIMEOUT,
+                                         server_settings={"application_name": app})
+
+            async def close() -> None:
+                await conn.close(timeout=2)
+
+            return _LockSession(conn, close)
+        pool = self.db.pool
+        pooled = await pool.acquire(timeout=CONNECT_TIMEOUT)
+
+        async def give_back() -> None:
+            try:
+                # The pool does not reset sessions (infra/db/pool.py): undo ours before returning it.
+                with contextlib.suppress(Exception):
+                    await pooled.remove_listener(NOTIFY_CHANNEL, self._on_notify)
+                if not pooled.is_closed():
+                    await pooled.execute("unlisten *; select pg_advisory_unlock_all(); reset application_name",
+                                         timeout=2)
+            finally:
+                await pool.release(pooled)
+
+        try:
+            await pooled.execute("select set_config('application_name', $1, false)", app)
+        except BaseException:
+            await pool.release(pooled)
+            raise
+        return _LockSession(pooled, give_back)
+
+    async def _publish_while_active(self, session: _LockSession) -> None:
+        conn = session.conn
+        # LISTEN before the first read, so a change committed in between wakes us.
+        await self._guard(session, conn.add_listener(NOTIFY_CHANNEL, self._on_notify))
+        cursor = int(await self._guard(session, conn.fetchval("select sequence from publisher_cursor")))
+        self.active = True
+        self.activations += 1
+        self._set_cursor(cursor)
+        self.log.info("publisher.active", cursor=cursor)
+        backoff = RETRY_BACKOFF[0]
+        while not self._stop_requested.is_set():
+            self._wake.clear()
+            rows = await self._guard(session, conn.fetch(_READ_CHANGES, cursor, self.batch_size))
+            if not rows:
+                await self._pause(self.poll_interval, session.lost, self._wake)
+                if session.lost.is_set():
+                    raise LockLost("the publisher's database session closed")
+                continue
+            for start in range(0, len(rows), self.window):
+                window = rows[start:start + self.window]
+                confirmed, error = await self._guard(session, self._publish_window(window))
+                if confirmed is not None:
+                    await self._guard(session, conn.execute(_ADVANCE_CURSOR, confirmed))
+                    cursor = confirmed
+                    self._set_cursor(cursor)
+                if error is not None:
+                    self.log.warning("publisher.publish_failed", error=str(error), cursor=cursor,
+                                     retry_in=round(backoff, 2), detail="retrying from the cursor")
+                    await self._pause(backoff, session.lost)
+                    backoff = min(backoff * 2, RETRY_BACKOFF[1])
+                    break
+                backoff = RETRY_BACKOFF[0]
+                if self._stop_requested.is_set():
+                    break
+
+    async def _publish_window(self, rows: list[Any]) -> tuple[int | None, BaseException | None]:
+        """Publish ``rows`` concurrently; return the highest sequence of the confirmed prefix and
+        the first failure (None when all were confirmed)."""
+        events = [(self._decode(row), row["trace_id"]) for row in rows]
+        results = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
+                                       return_exceptions=True)
+        confirmed: int | None = None
+        for (event, _), result in zip(events, results, strict=True):
+            if isinstance(result, BusError):
+                return confirmed, result
+            if isinstance(result, BaseException):
+                raise result
+            confirmed = event.sequence
+        return confirmed, None
+
+    async def _send(self, event: ChangeEvent, trace_id: str | None) -> None:
+        headers: dict[str, HeaderValue] = dict(event_headers(event))
+        if trace_id:
+            headers[TRACE_HEADER] = trace_id
+        await self.bus.publish(EVENTS_EXCHANGE, event.routing_key, event, headers=headers,
+                               message_id=event.message_id, timeout=self.publish_timeout)
+        self.published += 1
+
+    @staticmethod
+    def _decode(row: Any) -> ChangeEvent:
+        sequence = row["sequence"]
+        try:
+            event = decode_message(ChangeEvent.TYPE, row["event"].encode())
+        except ProtocolDecodeError as e:
+            # Skipping it would make every integration miss a change without a trace: stop here,
+            # loudly (the supervisor restarts us with a backoff), until an operator looks.
+            raise PublisherError(f"change {sequence} cannot be published: {e}") from e
+        if not isinstance(event, ChangeEvent) or event.sequence != sequence:
+            raise PublisherError(f"change {sequence} holds an envelope for another sequence")
+        return event
+
+    def _on_notify(self, *_: Any) -> None:
+        self._wake.set()
+
+    # --- waiting -----------------------------------------------------------------------------
+
+    async def _guard(self, session: _LockSession, work: Awaitable[T]) -> T:
+        """Run ``work`` unless the lock session is lost first: then cancel it and raise LockLost."""
+        task = asyncio.ensure_future(work)
+        lost = asyncio.ensure_future(session.lost.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if task.cancelled():
+            raise LockLost("the publisher's database session closed")
+        return task.result()
+
+    async def _pause(self, seconds: float, *events: asyncio.Event) -> None:
+        """Sleep ``seconds``, or less if the actor is stopped or one of ``events`` is set."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._stop_requested, *events)]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+
+class PublisherCollector(Collector):
+    """Prometheus gauges of the publisher running in this process (read at scrape time)."""
+
+    def __init__(self, current: Callable[[], Actor | None]) -> None:
+        self._current = current
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        actor = self._current()
+        active, cursor, published = self._families()
+        if isinstance(actor, EventPublisher):
+            active.add_metric([], 1.0 if actor.active else 0.0)
+            if actor.cursor is not None:
+                cursor.add_metric([], float(actor.cursor))
+            published.add_metric([], float(actor.published))
+        return [active, cursor, published]
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+        return (GaugeMetricFamily("toastmachine_publisher_active",
+                                  "1 while this process's event publisher holds the lock and publishes."),
+                GaugeMetricFamily("toastmachine_publisher_cursor",
+                                  "Highest sequence published and confirmed (as this process last saw it)."),
+                CounterMetricFamily("toastmachine_publisher_events",
+                                    "Events this process published and had confirmed (republished included)."))
+
+
+def export_metrics(registry: CollectorRegistry, current: Callable[[], Actor | None]) -> None:
+    """Add the publisher gauges to ``registry`` once (later calls are no-ops)."""
+    with contextlib.suppress(ValueError):  # already registered: the collector reads the current actor
+        registry.register(PublisherCollector(current))
