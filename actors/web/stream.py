@@ -179,8 +179,10 @@ async def stream(request: web.Request) -> web.StreamResponse:
                     await out.error("slow_consumer")
                 return response
         await out.error("slow_consumer")
-    except (ConnectionError, asyncio.CancelledError):
-        raise  # the client went away, or the node is stopping
+    except ConnectionError:
+        log.info("stream.client_gone", last=out.last)  # nothing to answer: the client left
+    except asyncio.CancelledError:
+        raise  # the node is stopping
     except TimeoutError:
         log.info("stream.client_stuck", last=out.last)
         await out.error("slow_consumer")
