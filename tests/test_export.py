@@ -214,7 +214,7 @@ async def test_a_large_page_is_streamed_while_the_client_reads(stack: Stack) -> 
     # The client has read one line of 20 MB: the server must still be inside its cursor's transaction.
     busy = await stack.db.pool.fetchval(
         "select count(*) from pg_stat_activity where state <> 'idle' and query like '%convert_to(event%' "
-        "and pid <> pg_backend_pid()")
+        "and datname = current_database() and pid <> pg_backend_pid()")
     assert busy == 1
     chunks, rest = 0, [first]
     async for chunk in resp.content.iter_any():
