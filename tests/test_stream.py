@@ -182,7 +182,7 @@ async def test_filters(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(("query", "headers", "field"), [
-    ("?after=-1", {}, "after"), ("?after=abc", {}, "after"), ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
+    ("?after=-1", {}, "after"), ("?after=abc", {}, "after"), ("?after=%C2%B2", {}, "after"), ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
     ("?types=nope", {}, "types"), ("?kinds=", {}, "kinds"), ("?conversation=42", {}, "conversation"),
     ("?colour=red", {}, "colour"),
 ])

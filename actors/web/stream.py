@@ -17,6 +17,7 @@ message kinds, any of; applies to events that carry a message).
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ WRITE_TIMEOUT = 10.0
 #: Times a stream restarts its catch-up because live events overflowed meanwhile.
 MAX_CATCH_UPS = 5
 _PARAMS = {"after", "types", "conversation", "kinds"}
+#: A sequence on the wire: plain ASCII decimal digits (str.isdigit would let "²" through).
+_SEQUENCE_RE = re.compile(r"[0-9]{1,18}")
 
 _RESUME = ("Keep the sequence of the last change you applied; reconnect with Last-Event-ID (or after=) set to "
            "it, or catch up through /corpus/changes.jsonl?after=<it> first.")
@@ -92,7 +95,7 @@ def _parse(request: web.Request) -> tuple[int | None, _Filters]:
         raw, field = request.headers["Last-Event-ID"].strip(), "Last-Event-ID"
     after: int | None = None
     if raw is not None:
-        if not raw.isdigit() or len(raw) > 18:
+        if not _SEQUENCE_RE.fullmatch(raw):
             raise BadRequest(f"'{field}' must be a non-negative integer sequence.", code="invalid_parameter",
                              extra={"field": field}, how_to_proceed="Send the sequence of the last change you applied.")
         after = int(raw)
