@@ -187,6 +187,8 @@ class EventPublisher(Actor):
         self.published = 0
         #: Times this instance became active.
         self.activations = 0
+        #: Windows that were not fully confirmed (retried from the cursor after a back-off).
+        self.failed_windows = 0
         self._wake = asyncio.Event()
         self._cursor_moved = asyncio.Event()
 
@@ -319,6 +321,7 @@ class EventPublisher(Actor):
                     cursor = confirmed
                     self._set_cursor(cursor)
                 if error is not None:
+                    self.failed_windows += 1
                     self.log.warning("publisher.publish_failed", error=str(error), cursor=cursor,
                                      retry_in=round(backoff, 2), detail="retrying from the cursor")
                     await self._pause(backoff, session.lost)
