@@ -51,8 +51,8 @@ PUBLISHER_LOCK = 5270762781211293730
 #: The channel the ``changes`` trigger notifies (migration 0003).
 NOTIFY_CHANNEL = "tm_changes"
 
-#: Changes read from the history per query.
-DEFAULT_BATCH_SIZE = 500
+#: Changes read from the history per query (events are at most 100 KiB: at most ~20 MB in memory).
+DEFAULT_BATCH_SIZE = 200
 #: Publishes in flight at once; the cursor advances after each window.
 DEFAULT_WINDOW = 100
 #: Seconds between polls of the history when no notification arrives.
