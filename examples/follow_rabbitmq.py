@@ -1,0 +1,146 @@
+"""Follow a ToastMachine corpus from RabbitMQ, the way an integration should.
+
+1. Declare a durable queue of your own and bind it to the topic exchange ``tm.events`` with the
+   patterns you care about (``message.*.*``: every appended message, in every partition).
+2. Catch up from ``GET /corpus/changes.jsonl?after=<last applied>`` first: the queue only holds
+   what was published after it was bound.
+3. Consume the queue with manual acks; apply each change once: skip any sequence at or below the
+   last one applied (delivery is at least once, and a republish after a fault repeats some).
+4. Remember the last applied sequence durably (a file here, a table in real life), and ack only
+   after it is stored, so a crash repeats work instead of losing it.
+
+Run: ``python examples/follow_rabbitmq.py --node http://127.0.0.1:8080 --amqp amqp://guest:guest@127.0.0.1/
+--queue my-integration --state ./follow.state [--pattern 'message.*.*'] [--stop-after N]``
+
+Only the standard library, aiohttp and aio-pika: nothing of ToastMachine's own code, as an outside
+integration would be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aio_pika
+import aiohttp
+
+EXCHANGE = "tm.events"
+
+
+class Follower:
+    """Applies changes exactly once in effect, whatever way they arrive."""
+
+    def __init__(self, state: Path, lineage: str | None = None) -> None:
+        self.state = state
+        saved = json.loads(state.read_text()) if state.exists() else {}
+        self.last: int = saved.get("last_sequence", 0)
+        self.lineage: str | None = saved.get("lineage", lineage)
+        self.applied = 0
+
+    def apply(self, envelope: dict) -> bool:
+        """Apply one change; False when it was already applied (a duplicate)."""
+        if self.lineage is not None and envelope["lineage"] != self.lineage:
+            raise SystemExit(f"change from lineage {envelope['lineage']}, expected {self.lineage}: "
+                             "the corpus was restored; start again from /corpus/snapshot.jsonl")
+        self.lineage = envelope["lineage"]
+        if envelope["sequence"] <= self.last:
+            return False
+        # This is where an integration does its work; here: print one line per change.
+        data = envelope["data"]
+        text = (data.get("message") or {}).get("content", "")
+        print(f"{envelope['sequence']} {envelope['type']} {text[:60]!r}", flush=True)
+        self.last = envelope["sequence"]
+        self.applied += 1
+        self._save()
+        return True
+
+    def _save(self) -> None:
+        tmp = self.state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"last_sequence": self.last, "lineage": self.lineage}))
+        tmp.replace(self.state)  # atomic: the state is either the old or the new one
+
+
+async def catch_up(follower: Follower, node: str, types: set[str] | None) -> None:
+    """Apply every change after the follower's cursor from the JSONL export, page by page."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            params = {"after": str(follower.last), "limit": "1000"}
+            if follower.lineage:
+                params["lineage"] = follower.lineage
+            async with session.get(f"{node}/corpus/changes.jsonl", params=params) as resp:
+                if resp.status != 200:
+                    raise SystemExit(f"export answered {resp.status}: {await resp.text()}")
+                async for line in resp.content:
+                    if line.strip():
+                        envelope = json.loads(line)
+                        if types is None or envelope["type"] in types:
+                            follower.apply(envelope)
+                        else:
+                            follower.last = max(follower.last, envelope["sequence"])
+                more = resp.headers["X-Corpus-Has-More"] == "true"
+                follower.last = max(follower.last, int(resp.headers["X-Corpus-Next"]))
+            if not more:
+                return
+
+
+async def follow(args: argparse.Namespace) -> int:
+    follower = Follower(Path(args.state))
+    connection = await aio_pika.connect_robust(args.amqp)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=100)
+        exchange = await channel.declare_exchange(EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+        queue = await channel.declare_queue(args.queue, durable=True,
+                                            arguments={"x-queue-type": "quorum"})
+        for pattern in args.pattern:
+            await queue.bind(exchange, pattern)
+        # Bound first, then caught up: whatever is published from now on is in the queue, and
+        # whatever was published before is in the export. Duplicates between the two are skipped.
+        types = _types(args.pattern)
+        await catch_up(follower, args.node.rstrip("/"), types)
+        print(f"caught up at {follower.last}", flush=True)
+        if args.stop_after is not None and follower.applied >= args.stop_after:
+            return 0
+        async with queue.iterator() as messages:
+            async for message in messages:
+                async with message.process(requeue=True):  # ack after apply; requeue if apply fails
+                    follower.apply(json.loads(message.body))
+                if args.stop_after is not None and follower.applied >= args.stop_after:
+                    break
+    return 0
+
+
+def _types(patterns: list[str]) -> set[str] | None:
+    """The event types the patterns select, for filtering the export the same way (None: all)."""
+    if any(p in ("#", "*.*.*") or p.startswith("#") for p in patterns):
+        return None
+    known = {"conversation.created", "message.appended", "relationship.asserted", "relationship.retracted"}
+    out: set[str] = set()
+    for pattern in patterns:
+        head = pattern.split(".")
+        for t in known:
+            words = t.split(".")
+            if len(head) >= 2 and all(h in ("*", "#", w) for h, w in zip(head[:2], words, strict=False)):
+                out.add(t)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node", required=True, help="base URL of a ToastMachine web node")
+    parser.add_argument("--amqp", required=True, help="RabbitMQ URL of the deployment")
+    parser.add_argument("--queue", required=True, help="your durable queue's name")
+    parser.add_argument("--state", required=True, help="file keeping the last applied sequence")
+    parser.add_argument("--pattern", action="append", default=None,
+                        help="binding pattern on tm.events (repeatable; default message.*.*)")
+    parser.add_argument("--stop-after", type=int, default=None, help="exit after applying N changes")
+    args = parser.parse_args(argv)
+    args.pattern = args.pattern or ["message.*.*"]
+    return asyncio.run(follow(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
