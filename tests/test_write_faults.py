@@ -16,7 +16,7 @@ import contextlib
 import re
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,27 @@ async def write_until_created(session: aiohttp.ClientSession, url: str, write: W
     raise AssertionError(f"write {write.n} never answered 201; attempts: {write.attempts}")
 
 
+async def run_load(session: aiohttp.ClientSession, url: str, agents: list[Agent], count: int, clients: int,
+                   inject_fault: Callable[[Load], Coroutine[Any, Any, None]]) -> list[Write]:
+    """``count`` message writes from ``clients`` concurrent tasks, each retried until 201, while
+    ``inject_fault`` does its damage; returns the writes with what each went through."""
+    writes = [Write(n, agents[n % len(agents)]) for n in range(count)]
+    pending: asyncio.Queue[Write] = asyncio.Queue()
+    for w in writes:
+        pending.put_nowait(w)
+    load = Load()
+
+    async def client() -> None:
+        while not pending.empty():
+            await write_until_created(session, url, pending.get_nowait(), load)
+
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(inject_fault(load))
+        for _ in range(clients):
+            tasks.create_task(client())
+    return writes
+
+
 # --- a writer killed mid-load --------------------------------------------------------------------
 
 
@@ -218,17 +239,7 @@ async def _run_killed_load(base: str, env: dict[str, str], writers: list[procs.N
             assert resp.status == 201, body
         url = f"{base}/conversations/{body['conversation']['id']}/messages"
 
-        writes = [Write(n, agents[n % len(agents)]) for n in range(WRITES)]
-        pending: asyncio.Queue[Write] = asyncio.Queue()
-        for w in writes:
-            pending.put_nowait(w)
-        load = Load()
-
-        async def client() -> None:
-            while not pending.empty():
-                await write_until_created(session, url, pending.get_nowait(), load)
-
-        async def inject_fault() -> None:
+        async def inject_fault(load: Load) -> None:
             await until(lambda: load.created >= KILL_AFTER, 120, f"{KILL_AFTER} writes succeeded")
             load.failed.clear()
             writers[0].signal(signal.SIGKILL)  # a real kill -9: no shutdown, no acks, no replies
@@ -241,10 +252,7 @@ async def _run_killed_load(base: str, env: dict[str, str], writers: list[procs.N
             writers.append(await procs.start("run", "writer", env=env))
             await writers[-1].wait_for_line(WRITER_STARTED, timeout=60)
 
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(inject_fault())
-            for _ in range(CLIENTS):
-                tasks.create_task(client())
+        writes = await run_load(session, url, agents, WRITES, CLIENTS, inject_fault)
         assert len(writers) == 2, "the load ended before the writer was killed"
         return writes
 
@@ -372,17 +380,7 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
                                                   str(uuid.uuid4()))
             assert status == 201, created
             url = f"{base}/conversations/{created['conversation']['id']}/messages"
-            writes = [Write(n, agents[n % 2]) for n in range(400)]
-            pending: asyncio.Queue[Write] = asyncio.Queue()
-            for w in writes:
-                pending.put_nowait(w)
-            load = Load()
-
-            async def client() -> None:
-                while not pending.empty():
-                    await write_until_created(session, url, pending.get_nowait(), load)
-
-            async def inject_fault() -> None:
+            async def inject_fault(load: Load) -> None:
                 await until(lambda: load.created >= 100, 60, "100 writes succeeded")
                 load.failed.clear()
                 await servers[0].stop()
@@ -390,10 +388,7 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
                     await load.failed.wait()
                 servers.append(await start_embedded(tmp_path / "db"))
 
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(inject_fault())
-                for _ in range(8):
-                    tasks.create_task(client())
+            writes = await run_load(session, url, agents, 400, 8, inject_fault)
             assert len(servers) == 2, "the load ended before the server was stopped"
 
             assert any(w.retried for w in writes), "no write failed while the server was down"
