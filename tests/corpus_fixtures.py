@@ -7,6 +7,7 @@ gets a fresh database. Clients talk to the front over real HTTP (aiohttp's TestS
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from infra.db import CorpusIdentity, Database, apply_migrations, ensure_identity
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
 
-__all__ = ["Agent", "Stack", "stack", "stack_backends"]
+__all__ = ["Agent", "Stack", "publishing", "stack", "stack_backends"]
 
 
 @dataclass(slots=True)
@@ -105,6 +106,19 @@ class Stack:
         reply = await self.post(agent, f"/conversations/{conversation_id}/messages", message)
         assert reply.status == 201, reply.body
         return reply.body  # type: ignore[no-any-return]
+
+
+@contextlib.asynccontextmanager
+async def publishing(stack: Stack, *, poll_interval: float = 0.2) -> AsyncIterator[None]:
+    """The event publisher on the stack's bus and database, running for the block."""
+    from actors.publisher import EventPublisher
+
+    publisher = EventPublisher(stack.bus, stack.db, node_id="test-publisher", poll_interval=poll_interval)
+    await publisher.start()
+    try:
+        yield
+    finally:
+        await publisher.stop(grace=2)
 
 
 @pytest.fixture(params=["local", pytest.param("services", marks=[pytest.mark.rabbitmq, pytest.mark.postgres])])

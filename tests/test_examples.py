@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from tests.corpus_fixtures import Stack
+from tests.corpus_fixtures import Stack, publishing
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "follow_rabbitmq.py"
 LINE = re.compile(r"^(\d+) message\.appended '(.*)'$")
-
-
-@contextlib.asynccontextmanager
-async def publishing(stack: Stack) -> AsyncIterator[None]:
-    from actors.publisher import EventPublisher
-
-    publisher = EventPublisher(stack.bus, stack.db, node_id="example-publisher", poll_interval=0.2)
-    await publisher.start()
-    try:
-        yield
-    finally:
-        await publisher.stop(grace=2)
 
 
 async def _run_example(*args: str) -> asyncio.subprocess.Process:

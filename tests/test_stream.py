@@ -8,7 +8,6 @@ out. Every test runs on the embedded database with the in-process bus and on Pos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,21 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.corpus_fixtures import Agent, Stack
+from tests.corpus_fixtures import Agent, Stack, publishing
 from tests.sse import Frame, frames
-
-
-@contextlib.asynccontextmanager
-async def publishing(stack: Stack) -> AsyncIterator[None]:
-    """The event publisher, running for the block."""
-    from actors.publisher import EventPublisher
-
-    publisher = EventPublisher(stack.bus, stack.db, node_id="test-publisher", poll_interval=0.2)
-    await publisher.start()
-    try:
-        yield
-    finally:
-        await publisher.stop(grace=2)
 
 
 async def _sequences(stack: Stack) -> list[int]:
@@ -40,6 +26,17 @@ async def _sequences(stack: Stack) -> list[int]:
 async def _open(stack: Stack, query: str = "", headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
     resp = await stack.client.get("/corpus/stream" + query, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=None))
     return resp
+
+
+async def _until_ready(reader: AsyncIterator[Frame], timeout: float = 30) -> list[Frame]:
+    """Read frames up to and including ``ready``; return them."""
+    got: list[Frame] = []
+    async with asyncio.timeout(timeout):
+        async for frame in reader:
+            got.append(frame)
+            if frame.event == "ready":
+                return got
+    raise AssertionError(f"the stream ended before ready: {[f.event for f in got]}")
 
 
 async def _write(stack: Stack, agent: Agent, cid: str, n: int) -> None:
@@ -65,13 +62,8 @@ async def test_catch_up_then_ready_then_live_without_gap_or_duplicate(stack: Sta
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         assert resp.headers["Cache-Control"] == "no-store" and resp.headers["X-Accel-Buffering"] == "no"
-        got: list[Frame] = []
         reader = frames(resp)
-        async with asyncio.timeout(30):
-            async for frame in reader:
-                got.append(frame)
-                if frame.event == "ready":
-                    break
+        got = await _until_ready(reader)
         assert any("retry 3000" in c for c in got[0].comments)
         caught_up = [int(f.id) for f in got if f.id is not None]
         assert caught_up == await _sequences(stack)
@@ -102,12 +94,9 @@ async def test_without_a_cursor_the_stream_starts_at_the_head(stack: Stack) -> N
     async with publishing(stack):
         resp = await _open(stack)
         reader = frames(resp)
-        async with asyncio.timeout(30):
-            async for frame in reader:
-                if frame.event == "ready":
-                    assert frame.json() == {"sequence": head}
-                    break
-                assert frame.id is None, "a stream without a cursor must not replay history"
+        got = await _until_ready(reader)
+        assert got[-1].json() == {"sequence": head}
+        assert all(f.id is None for f in got), "a stream without a cursor must not replay history"
         await stack.message(alice, cid, content="new")
         async with asyncio.timeout(30):
             async for frame in reader:
@@ -161,15 +150,9 @@ async def test_filters(stack: Stack) -> None:
 
     async def seen(query: str) -> list[Frame]:
         resp = await _open(stack, query)
-        out: list[Frame] = []
-        async with asyncio.timeout(30):
-            async for frame in frames(resp):
-                if frame.event == "ready":
-                    break
-                if frame.id is not None:
-                    out.append(frame)
+        got = await _until_ready(frames(resp))
         resp.close()
-        return out
+        return [f for f in got if f.id is not None]
 
     async with publishing(stack):
         kinds = await seen("?after=0&kinds=claim")
@@ -223,10 +206,7 @@ async def test_a_client_that_does_not_keep_up_is_cut_off_with_a_resume_hint(stac
     async with publishing(stack):
         resp = await _open(stack)
         reader = frames(resp)
-        async with asyncio.timeout(30):
-            async for frame in reader:
-                if frame.event == "ready":
-                    break
+        await _until_ready(reader)
         big = "x" * 60_000
         for _ in range(2_000):
             await stack.message(alice, cid, content=big)
