@@ -117,7 +117,8 @@ async def deployment(tmp_path: Path, amqp_url: str, database_url: str) -> AsyncI
             continue
         tail = f"{name} (rc={proc.proc.returncode}):\n" + "\n".join(proc.output[-80:])
         assert proc.proc.returncode == 0, tail
-        assert not unexpected_tracebacks(proc.output), tail
+        tracebacks = unexpected_tracebacks(proc.output)
+        assert not tracebacks, f"{name}: traceback:\n" + "\n".join(proc.output[tracebacks[0] - 3:tracebacks[0] + 30])
 
 
 def unexpected_tracebacks(output: list[str]) -> list[int]:
@@ -245,7 +246,8 @@ async def durable_queue(amqp_url: str, pattern: str) -> AsyncIterator[Followed]:
     """A durable quorum queue of the test's own bound to ``tm.events``, consumed with manual acks
     (ack after recording) over a robust connection; deleted afterwards."""
     received = Followed()
-    connection = await aio_pika.connect_robust(amqp_url, client_properties={"connection_name": "test:scale-out"})
+    connection = await aio_pika.connect_robust(amqp_url, reconnect_interval=0.5,
+                                             client_properties={"connection_name": "test:scale-out"})
     try:
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=200)
@@ -441,13 +443,14 @@ async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
                 # Stops the broker for everyone on this machine: keep the outage short (until a
                 # write has seen it) and always bring the broker back.
                 await rabbitmqctl("stop_app")
+                created_at_stop = load.created
                 try:
                     async with asyncio.timeout(WAIT):
                         await load.failed.wait()
                 finally:
                     await rabbitmqctl("start_app")
                     await rabbitmqctl("await_startup")
-                assert load.created < MESSAGES, "the restart did not land mid-load"
+                assert created_at_stop < MESSAGES, "the restart did not land mid-load"
                 await loader
             finally:
                 if not loader.done():
