@@ -45,6 +45,8 @@ COMMAND_TIMEOUT = 5.0
 #: Seconds any single condition may take, and a whole write (all its retries) may take.
 WAIT = 60.0
 WRITE_DEADLINE = 120.0
+#: Longest the broker may stay stopped waiting for a write to fail against it (it is everyone's).
+OUTAGE = 20.0
 
 STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher"}
 
@@ -112,6 +114,8 @@ async def deployment(tmp_path: Path, amqp_url: str, database_url: str) -> AsyncI
     finally:
         live = [p for p in reversed(dep.processes.values()) if p.proc.returncode is None]
         await asyncio.gather(*(p.stop() for p in live), return_exceptions=True)
+        for name, proc in dep.processes.items():  # kept in the test's temp dir for post-mortems
+            (tmp_path / f"{name}.log").write_text("\n".join(proc.output) + "\n")
     for name, proc in dep.processes.items():
         if proc.proc.returncode == -signal.SIGKILL:
             continue
@@ -279,12 +283,24 @@ async def durable_queue(amqp_url: str, pattern: str) -> AsyncIterator[Followed]:
 
 @dataclass
 class Load:
-    """Progress of the load, watched by the fault injector."""
+    """Progress of the load, watched (and held open) by the fault injector."""
 
+    #: Writes started and writes answered 201.
+    issued: int = 0
     created: int = 0
+    #: While set, the clients keep writing past ``MESSAGES``: a fault injected late still lands
+    #: mid-load, however fast the load runs.
+    holding: bool = False
     #: Status of every failed attempt (or the client error's name).
     failures: list[int | str] = field(default_factory=list)
     failed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self) -> bool:
+        """Whether a client should start another write (and count it as started)."""
+        if self.issued >= MESSAGES and not self.holding:
+            return False
+        self.issued += 1
+        return True
 
 
 async def post_until_created(session: aiohttp.ClientSession, url: str, agent: Agent, body: Any,
@@ -322,23 +338,24 @@ async def register(session: aiohttp.ClientSession, base: str) -> Agent:
 
 
 async def run_load(session: aiohttp.ClientSession, bases: list[str], load: Load) -> None:
-    """``MESSAGES`` messages from ``CLIENTS`` concurrent clients, each in a conversation of its own,
-    each write going to the next web node in turn."""
+    """At least ``MESSAGES`` messages (more while ``load.holding``) from ``CLIENTS`` concurrent
+    clients, each in a conversation of its own, each write going to the next web node in turn."""
     agents = await asyncio.gather(*(register(session, bases[i % len(bases)]) for i in range(CLIENTS)))
 
-    async def client(i: int, agent: Agent, count: int) -> None:
+    async def client(i: int, agent: Agent) -> None:
         created = await post_until_created(session, bases[i % len(bases)] + "/conversations", agent,
                                            {"subject": f"scale-out {i}", "content": "go"}, load)
         path = f"/conversations/{created['conversation']['id']}/messages"
-        for n in range(count):
+        n = 0
+        while load.take():
             await post_until_created(session, bases[(i + n) % len(bases)] + path, agent,
                                      {"content": f"c{i}-{n}"}, load)
             load.created += 1
+            n += 1
 
-    counts = [MESSAGES // CLIENTS + (i < MESSAGES % CLIENTS) for i in range(CLIENTS)]
     async with asyncio.TaskGroup() as tasks:
         for i, agent in enumerate(agents):
-            tasks.create_task(client(i, agent, counts[i]))
+            tasks.create_task(client(i, agent))
 
 
 async def until_created(load: Load, count: int, loader: asyncio.Task[None]) -> None:
@@ -390,28 +407,33 @@ async def test_scale_out_two_of_each_every_follower_gets_every_change(
         async with durable_queue(rabbitmq_url, "message.appended.*") as queued, \
                 sse_followers(list(dep.urls.values())) as followers, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as session:
-            load = Load()
+            load = Load(holding=True)  # held open until the standby publishes
             loader = asyncio.create_task(run_load(session, list(dep.urls.values()), load))
             try:
                 await until_created(load, MESSAGES // 3, loader)
                 await until(lambda: len(queued.sequences) > 0, "events queued before the kill")
                 publishers[active].signal(signal.SIGKILL)
                 assert await publishers[active].wait(timeout=WAIT) == -signal.SIGKILL
-                assert load.created < MESSAGES, "the kill did not land mid-load"
-                # The standby notices within about its retry interval and takes over.
+                killed_at = load.created
+                # The standby notices within about its retry interval and takes over, and the
+                # writes committed since the kill reach the queue through it.
                 await publishers[standby].wait_for_line(r"publisher\.active", timeout=WAIT)
                 assert await dep.holder() == application_name(standby)
+                await until_created(load, killed_at + 100, loader)
+                await until(lambda: len(set(queued.sequences)) > killed_at + 50,
+                            "the standby publishing writes made after the kill")
+                load.holding = False
                 await loader
             finally:
                 if not loader.done():
                     loader.cancel()
                     await asyncio.gather(loader, return_exceptions=True)
-            assert load.created == MESSAGES
+            assert load.created == load.issued >= MESSAGES
 
             rows = await history(database_url)
             everything = [r["sequence"] for r in rows]
             messages = [r["sequence"] for r in rows if r["type"] == "message.appended"]
-            assert len(messages) == MESSAGES
+            assert len(messages) == load.created
             for follower in followers:
                 await follower.until_covers(everything, f"SSE on {follower.base} has every change")
             await queued.until_covers(messages, "the durable queue has every message.appended")
@@ -435,31 +457,34 @@ async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
 
         async with durable_queue(rabbitmq_url, "#") as queued, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as session:
-            load = Load()
+            load = Load(holding=True)  # held open until writes succeed again after the restart
             loader = asyncio.create_task(run_load(session, list(dep.urls.values()), load))
             try:
                 await until_created(load, MESSAGES // 3, loader)
                 load.failed.clear()
                 # Stops the broker for everyone on this machine: keep the outage short (until a
-                # write has seen it) and always bring the broker back.
+                # write has failed against it) and always bring the broker back.
                 await rabbitmqctl("stop_app")
-                created_at_stop = load.created
                 try:
-                    async with asyncio.timeout(WAIT):
+                    async with asyncio.timeout(OUTAGE):
                         await load.failed.wait()
                 finally:
                     await rabbitmqctl("start_app")
                     await rabbitmqctl("await_startup")
-                assert created_at_stop < MESSAGES, "the restart did not land mid-load"
+                restarted_at = load.created
+                await until_created(load, restarted_at + 100, loader)
+                load.holding = False
                 await loader
             finally:
                 if not loader.done():
                     loader.cancel()
                     await asyncio.gather(loader, return_exceptions=True)
-            assert load.created == MESSAGES
+            assert load.created == load.issued >= MESSAGES
             assert load.failures, "no write saw the outage"
 
-            everything = [r["sequence"] for r in await history(database_url)]
+            rows = await history(database_url)
+            everything = [r["sequence"] for r in rows]
+            assert len([r for r in rows if r["type"] == "message.appended"]) == load.created
             head = everything[-1]
 
             async def cursor_at_head() -> bool:
