@@ -16,11 +16,35 @@ Prints rows/s and MB/s of each (median of the rounds) and the ratio ours/COPY (t
 database, the web front and this client share the machine's CPUs, so single runs vary: only the
 ratio compares across runs. The seeded database is dropped at the end (``--keep`` keeps it).
 
-(a) ``--fanout``: SSE fan-out through the hub to many ``/corpus/stream`` clients. Not written yet;
-its place is :func:`bench_fanout`.
+(a) ``--fanout``: SSE fan-out, ``--clients`` (default 1,000) concurrent ``GET /corpus/stream`` clients
+on one web node while ``--rate`` changes a second (default 200) are written for ``--seconds`` (20).
+In alternating rounds (default 2; the median is reported):
+
+- ours: the Procfile's processes, ``toastmachine run writer`` and ``toastmachine run publisher`` for
+  the whole run and a fresh ``toastmachine web`` per round (so that its memory per client starts
+  from a clean process), on a private RabbitMQ virtual host and a fresh database, admission limits
+  out of the way. The clients open their streams at the head and wait for ``ready``; then
+  ``--agents`` agents (4) write messages over HTTP on a fixed schedule, a fresh Operation-Token each.
+  Latency of a (client, change) pair: from the moment this process read the write's 201 answer
+  (which comes after the commit, so this is a lower bound of commit-to-client) to the moment the
+  client read the frame; the same from the moment the POST was sent is printed as an upper bound.
+- baseline: plain aiohttp in a subprocess (``--raw-server``) putting one pre-serialised frame of
+  the same size (``id``/``event``/``data``, its send time inside) into every client's bounded queue
+  at the same rate, one ``StreamResponse.write`` per client; latency from the moment it queued the
+  frame (``perf_counter`` is CLOCK_MONOTONIC on Linux: one clock for both processes).
+
+The same client code reads both sides: one bare asyncio protocol per socket in this process
+(chunked decoding and SSE framing by hand, to cost as little per frame as possible). Every client
+must receive every change exactly once and in order; the printout says how many did. Prints
+frames/s delivered (all clients, first change sent to last frame received), p50/p99, memory per
+client (server RSS with the clients connected minus before, divided by the clients), the ratio
+ours/raw in frames/s (target >= 0.5), whether ours meets p99 <= 100 ms, and the CPU each process
+used: this client, both servers, the broker and the database share the machine's CPUs.
 
 Run: ``python bench/stream.py [--catchup | --fanout] [--database-url postgresql://...] [--changes N]
-[--size BYTES] [--limit L] [--rounds R] [--server subprocess|inprocess] [--keep] [--verbose]``
+[--size BYTES] [--limit L] [--rounds R] [--server subprocess|inprocess] [--keep] [--verbose]
+[--clients N] [--rate R] [--seconds S] [--content CHARS] [--agents A] [--drain S]
+[--amqp-url amqp://...] [--vhost private|shared] [--logs DIR]``
 """
 
 from __future__ import annotations
@@ -28,29 +52,49 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
+import resource
 import statistics
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from array import array
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
 import aiohttp
 import asyncpg
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.web.app import make_app
+from actors.web.hub import DEFAULT_SUBSCRIBER_QUEUE
+from bench.write import (
+    DEFAULT_AMQP_URL,
+    Agent,
+    CpuMeter,
+    HttpSide,
+    cancel_on_sigterm,
+    content_of,
+    private_vhost,
+    quiet_product_logs,
+    stop_process,
+)
 from infra.bus import make_bus
 from infra.config import Settings
 from infra.db import Database, apply_migrations, ensure_identity
 from infra.logs import configure_logging
 from protocol import representations as rep
 from protocol.corpus import partition_of
+from tests.procs import NodeProcess, clean_env, start
 
 DEFAULT_DSN = os.environ.get("TOASTMACHINE_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 COPY_QUERY = "SELECT event FROM changes ORDER BY sequence"
@@ -298,30 +342,707 @@ async def bench_catchup(args: argparse.Namespace) -> None:
 
 # --- (a) fan-out -------------------------------------------------------------------------------
 
+#: Targets of the issue for (a): p99 commit-to-client latency, and delivered frames/s against raw.
+FANOUT_TARGET_P99_MS = 100.0
+FANOUT_TARGET_RATIO = 0.5
+#: Changes the raw server lets wait per client before cutting it off: the hub's bound per stream.
+RAW_CLIENT_QUEUE = DEFAULT_SUBSCRIBER_QUEUE
+#: Clients connecting at once (a listen backlog is finite; a dropped SYN costs a 1-second retry).
+CONNECT_CONCURRENCY = 100
+#: Writes in flight at once; past it the writer falls behind its schedule (and the printout says so).
+MAX_WRITES_IN_FLIGHT = 256
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
+               "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+OURS_INCLUDES = ("per change: the HTTP write (web -> RabbitMQ -> writer -> commit -> 201); in parallel "
+                 "NOTIFY -> publisher -> RabbitMQ (confirmed) -> the web node's hub queue -> hub -> each "
+                 "stream's bounded queue -> the stream formats and encodes its own frame -> socket")
+RAW_INCLUDES = ("per frame: one pre-serialised frame of the same size, the same bytes put into every "
+                "client's bounded queue (the hub's bound), one aiohttp StreamResponse.write per client")
+RAW_EXCLUDES = ("the database, the bus, the publisher, the hub's ordering and hole checks, per-client "
+                "frame formatting, the per-write timeout; its reference time is the moment the frame is "
+                "queued, ours is the moment the 201 answer was read (after the commit)")
+
+
+def raise_fd_limit(clients: int) -> None:
+    """Let this process, and the servers it starts (they inherit it), hold ``clients`` sockets."""
+    need = clients + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SystemExit(f"--clients {clients} needs about {need} file descriptors; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (VmRSS of /proc/<pid>/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class SseClient(asyncio.Protocol):
+    """One Server-Sent Events client on a bare socket; the same code reads ours and the raw server.
+
+    This process reads for every client, so it must cost as little per frame as it can: it decodes
+    HTTP/1.1 chunked transfer coding and splits SSE frames with a few ``bytearray.find`` calls per
+    read, and keeps each frame's sequence and the time its bytes were read (``perf_counter``, which
+    is CLOCK_MONOTONIC on Linux and so comparable with the raw server's clock).
+    """
+
+    def __init__(self, host: str, port: int, path: str) -> None:
+        self.request = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/event-stream\r\n"
+                        f"Cache-Control: no-cache\r\n\r\n").encode()
+        self.transport: asyncio.Transport | None = None
+        self.raw = bytearray()  # bytes read and not decoded yet (headers, chunk framing)
+        self.body = bytearray()  # decoded event-stream text not split into frames yet
+        self.status = 0
+        self.chunk_left = 0  # data bytes of the current chunk still to come
+        self.crlf_left = 0  # bytes of the CRLF after a chunk's data still to skip
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.sequences = array("q")
+        self.arrivals = array("d")
+        self.last = 0
+        self.disorder = 0  # frames at or below a sequence already received (duplicates, reordering)
+        self.frame_bytes = 0
+        self.errors: list[str] = []
+        self.closing = False  # closed by this side (the end of a round), not by the server
+        self.lost = False  # the server or the network ended the stream
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self.transport.write(self.request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = not self.closing
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"the stream closed before `ready` ({exc!r})"))
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def close(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _fail(self, why: str) -> None:
+        self.errors.append(why)
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(why))
+        self.close()
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        raw = self.raw
+        raw += data
+        pos = 0
+        if not self.status:
+            end = raw.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(raw[:end]).decode("latin-1")
+            self.status = int(head.split(" ", 2)[1])
+            if self.status != 200 or "transfer-encoding: chunked" not in head.lower():
+                self._fail(f"unexpected answer: {head.splitlines()[0]}")
+                return
+            pos = end + 4
+        body = self.body
+        size = len(raw)
+        while pos < size:
+            if self.chunk_left:
+                take = min(self.chunk_left, size - pos)
+                body += raw[pos:pos + take]
+                pos += take
+                self.chunk_left -= take
+                if not self.chunk_left:
+                    self.crlf_left = 2
+            elif self.crlf_left:
+                take = min(self.crlf_left, size - pos)
+                pos += take
+                self.crlf_left -= take
+            else:
+                eol = raw.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                length = int(bytes(raw[pos:eol]).split(b";", 1)[0], 16)
+                pos = eol + 2
+                if not length:  # the last chunk: the server ended the stream
+                    break
+                self.chunk_left = length
+        del raw[:pos]
+        start = 0
+        while (end := body.find(b"\n\n", start)) >= 0:
+            if body.startswith(b"id: ", start):
+                sequence = int(body[start + 4:body.find(b"\n", start)])
+                if sequence <= self.last:
+                    self.disorder += 1
+                else:
+                    self.last = sequence
+                self.sequences.append(sequence)
+                self.arrivals.append(now)
+                self.frame_bytes += end + 2 - start
+            elif body.startswith(b"event: ready", start):
+                if not self.ready.done():
+                    self.ready.set_result(None)
+            elif body.startswith(b"event: stream-error", start):
+                self.errors.append(bytes(body[start:end]).decode(errors="replace"))
+            start = end + 2
+        if start:
+            del body[:start]
+
+
+@contextlib.asynccontextmanager
+async def sse_clients(base: str, path: str, count: int) -> AsyncIterator[list[SseClient]]:
+    """``count`` clients of ``base + path``, yielded once every one has received ``ready``; closed after."""
+    url = urlsplit(base)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    loop = asyncio.get_running_loop()
+    clients = [SseClient(host, port, path) for _ in range(count)]
+    gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
+
+    async def connect(client: SseClient) -> None:
+        async with gate:
+            await loop.create_connection(lambda: client, host, port)
+            await client.ready
+
+    try:
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(connect(c) for c in clients))
+        yield clients
+    finally:
+        for c in clients:
+            c.close()
+            if c.ready.done() and not c.ready.cancelled():
+                c.ready.exception()  # retrieved: a failed connect was already reported by gather
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await asyncio.gather(*(c.done for c in clients if c.transport is not None))
+
+
+async def wait_delivered(clients: list[SseClient], last: int, timeout: float) -> None:
+    """Until every client still connected has received sequence ``last``, or ``timeout`` seconds."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if all(c.last >= last or c.done.done() for c in clients):
+            return
+        await asyncio.sleep(0.05)
+
+
+class RssSampler:
+    """The highest RSS of a process, sampled every quarter second while the block runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_bytes(pid)
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.peak = max(self.peak, rss_bytes(self.pid))
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else math.nan
+
+
+@dataclass(slots=True)
+class FanoutRound:
+    """What one side delivered to its clients in one round."""
+
+    who: str
+    clients: int
+    changes: int  # changes sent (ours: writes answered 201; raw: frames queued)
+    delivered: int  # frames received, all clients together
+    elapsed: float  # first change sent to the last frame received
+    p50_ms: float
+    p99_ms: float
+    upper_p50_ms: float = math.nan  # ours: from the moment the POST was sent
+    upper_p99_ms: float = math.nan
+    complete: int = 0  # clients that received every change exactly once, in order
+    missing: int = 0  # (client, change) pairs never received
+    disorder: int = 0  # frames received at or below a sequence already received
+    cut_off: int = 0  # clients that got a stream-error or lost the connection
+    errors: Counter[str] = field(default_factory=Counter)
+    memory_ready: float = 0.0  # bytes per client: RSS with every client ready minus before any
+    memory_peak: float = 0.0  # bytes per client: highest RSS while streaming minus before any
+    frame_bytes: float = 0.0
+    write_rate: float = math.nan  # ours: writes answered 201 per second while writing
+    write_failures: Counter[str] = field(default_factory=Counter)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return self.delivered / self.elapsed if self.elapsed > 0 else 0.0
+
+
+def tally(who: str, clients: list[SseClient], reference: dict[int, float], started: float,
+          upper: dict[int, float] | None = None) -> FanoutRound:
+    """Check every client's sequences against the changes sent, and compute the latencies."""
+    expected = array("q", sorted(reference))
+    latencies: list[float] = []
+    uppers: list[float] = []
+    result = FanoutRound(who, len(clients), len(expected), 0, 0.0, math.nan, math.nan)
+    expected_set = set(expected)
+    last_arrival = started
+    frame_bytes = 0
+    for c in clients:
+        result.delivered += len(c.sequences)
+        frame_bytes += c.frame_bytes
+        result.disorder += c.disorder
+        if c.sequences == expected:
+            result.complete += 1
+        else:
+            result.missing += len(expected_set.difference(c.sequences))
+        if c.errors or c.lost:
+            result.cut_off += 1
+            result.errors.update(_error_code(e) for e in c.errors)
+            if c.lost and not c.errors:
+                result.errors["connection closed"] += 1
+        if c.arrivals:
+            last_arrival = max(last_arrival, c.arrivals[-1])
+        latencies.extend(t - reference[s] for s, t in zip(c.sequences, c.arrivals, strict=True) if s in reference)
+        if upper is not None:
+            uppers.extend(t - upper[s] for s, t in zip(c.sequences, c.arrivals, strict=True) if s in upper)
+    latencies.sort()
+    uppers.sort()
+    result.elapsed = last_arrival - started
+    result.p50_ms, result.p99_ms = 1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99)
+    if upper is not None:
+        result.upper_p50_ms, result.upper_p99_ms = 1000 * percentile(uppers, 0.5), 1000 * percentile(uppers, 0.99)
+    result.frame_bytes = frame_bytes / result.delivered if result.delivered else 0.0
+    return result
+
+
+def _error_code(frame: str) -> str:
+    """The error code of a ``stream-error`` frame, or the text of another failure."""
+    try:
+        return str(orjson.loads(frame.split("data: ", 1)[1])["error"]["code"])
+    except (IndexError, KeyError, TypeError, orjson.JSONDecodeError):
+        return frame.split("\n", 1)[0]
+
+
+# --- (a) ours: the Procfile's processes ---------------------------------------------------------
+
+
+async def append(session: aiohttp.ClientSession, url: str, agent: Agent, n: int,
+                 size: int) -> tuple[int, int | None]:
+    """Post one message as ``agent``; (status, sequence of the change when 201)."""
+    headers = {"Authorization": f"Bearer {agent.credential}", "Operation-Token": str(uuid.uuid4()),
+               "Content-Type": "application/json"}
+    async with session.post(f"{url}/conversations/{agent.conversation_id}/messages", headers=headers,
+                            data=orjson.dumps({"content": content_of(n, size)})) as r:
+        body = await r.read()
+    return r.status, int(orjson.loads(body)["sequence"]) if r.status == 201 else None
+
+
+async def paced_writes(http: HttpSide, rate: float, seconds: float,
+                       size: int) -> tuple[dict[int, tuple[float, float]], Counter[str], float]:
+    """Write ``rate`` messages a second for ``seconds``, round robin over the agents.
+
+    Returns {sequence: (POST sent, 201 read)}, the failures, and the seconds the writing took.
+    """
+    answered: dict[int, tuple[float, float]] = {}
+    failures: Counter[str] = Counter()
+    in_flight = asyncio.Semaphore(MAX_WRITES_IN_FLIGHT)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(n: int) -> None:
+        try:
+            sent = time.perf_counter()
+            status, sequence = await append(http.session, http.url, http.agents[n % len(http.agents)], n, size)
+            if sequence is not None:
+                answered[sequence] = (sent, time.perf_counter())
+            else:
+                failures[str(status)] += 1
+        except (aiohttp.ClientError, OSError, TimeoutError, KeyError, ValueError) as e:
+            failures[type(e).__name__] += 1
+        finally:
+            in_flight.release()
+
+    started = time.perf_counter()
+    try:
+        for n in range(round(rate * seconds)):
+            delay = started + n / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await in_flight.acquire()
+            task = asyncio.create_task(one(n))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return answered, failures, time.perf_counter() - started
+
+
+@dataclass(slots=True)
+class Node:
+    """The node's long-lived processes and what every round of ours shares."""
+
+    env: dict[str, str]
+    writer: NodeProcess
+    publisher: NodeProcess
+    http: HttpSide
+    logs: list[tuple[str, NodeProcess]] = field(default_factory=list)
+
+
+async def fanout_ours(args: argparse.Namespace, node: Node) -> FanoutRound:
+    """One round of ours: a fresh ``toastmachine web``, N streams, writes at the rate, then the tally."""
+    web = await start("web", env=node.env)
+    node.logs.append((f"web-{len(node.logs)}", web))
+    try:
+        base = await web.wait_listening(60)
+        pid = web.proc.pid
+        node.http.url = base
+        if not node.http.agents[0].credential:
+            await node.http.set_up()
+        # Warm up the fresh process (its stream, hub and write paths) with one client, unmeasured.
+        async with sse_clients(base, "/corpus/stream", 1) as (probe,):
+            last = 0
+            for n in range(20):
+                status, sequence = await append(node.http.session, base, node.http.agents[0], n, args.content_size)
+                if sequence is None:
+                    raise RuntimeError(f"a warm-up write answered {status}")
+                last = sequence
+            await wait_delivered([probe], last, 30)
+            if probe.last < last:
+                raise RuntimeError("the warm-up stream did not deliver the warm-up writes within 30 s")
+        await asyncio.sleep(0.5)
+        before = rss_bytes(pid)
+        async with sse_clients(base, "/corpus/stream", args.clients) as clients:
+            ready = rss_bytes(pid)
+            meter = CpuMeter.start({"web": pid, "writer": node.writer.proc.pid,
+                                    "publisher": node.publisher.proc.pid, "bench": os.getpid()})
+            async with RssSampler(pid) as rss:
+                answered, failures, writing = await paced_writes(node.http, args.rate, args.seconds, args.content_size)
+                if answered:
+                    await wait_delivered(clients, max(answered), args.drain)
+            cpu = meter.busy()
+        started = min((sent for sent, _ in answered.values()), default=time.perf_counter())
+        result = tally("ours", clients, {s: t for s, (_, t) in answered.items()}, started,
+                       upper={s: t for s, (t, _) in answered.items()})
+    finally:
+        await stop_process(web)
+    result.memory_ready = (ready - before) / args.clients
+    result.memory_peak = (rss.peak - before) / args.clients
+    result.write_rate = len(answered) / writing
+    result.write_failures = failures
+    result.cpu = cpu
+    return result
+
+
+# --- (a) baseline: plain aiohttp ----------------------------------------------------------------
+
+
+def raw_frame(sequence: int, sent: float, size: int) -> bytes:
+    """An SSE frame shaped like ours (``id``, ``event``, ``data``) of ``size`` bytes, carrying its send time."""
+    head = f"id: {sequence}\nevent: message.appended\ndata: ".encode()
+    data = orjson.dumps({"sequence": sequence, "sent": sent, "pad": ""})
+    pad = max(0, size - len(head) - len(data) - 2)
+    return head + data[:-2] + b"x" * pad + b'"}\n\n'
+
+
+async def serve_raw(port: int) -> None:
+    """Child mode of the baseline: plain aiohttp streaming pre-serialised frames to every client.
+
+    Prints ``PORT <port>``; each ``go <rate> <seconds> <size>`` line on stdin streams ``rate *
+    seconds`` frames, one every ``1/rate`` seconds, to every connected client and then prints
+    ``SENT <json list of the perf_counter time each frame was queued>``; end of stdin stops it.
+    """
+    from aiohttp import web
+
+    queues: set[asyncio.Queue[bytes | None]] = set()
+    slow = (b'event: stream-error\ndata: {"schema_version": 1, "error": {"code": "slow_consumer"}}\n\n')
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=RAW_CLIENT_QUEUE)
+        queues.add(queue)
+        try:
+            await response.write(b"retry: 3000\n\n")
+            await response.write(b'event: ready\ndata: {"sequence": 0}\n\n')
+            while (frame := await queue.get()) is not None:
+                await response.write(frame)
+                if frame is slow:
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            queues.discard(queue)
+        return response
+
+    async def go(rate: float, seconds: float, size: int) -> list[float]:
+        sent: list[float] = []
+        started = time.perf_counter()
+        for n in range(round(rate * seconds)):
+            delay = started + n / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now = time.perf_counter()
+            frame = raw_frame(n + 1, now, size)
+            for queue in list(queues):
+                try:
+                    queue.put_nowait(frame)
+                except asyncio.QueueFull:  # cut off, like the hub: room for the error frame, then no more
+                    queues.discard(queue)
+                    queue.get_nowait()
+                    queue.put_nowait(slow)
+            sent.append(now)
+        return sent
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
+    await site.start()
+    print(f"PORT {site._server.sockets[0].getsockname()[1]}", flush=True)  # type: ignore[union-attr]
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        _, rate, seconds, size = line.split()
+        sent = await go(float(rate), float(seconds), int(size))
+        print("SENT " + orjson.dumps(sent).decode(), flush=True)
+    for queue in list(queues):
+        with contextlib.suppress(asyncio.QueueFull):
+            queue.put_nowait(None)
+    await runner.cleanup()
+
+
+async def fanout_raw(args: argparse.Namespace, frame_size: int) -> FanoutRound:
+    """One round of the baseline: a fresh raw server, N clients, frames at the rate, then the tally."""
+    child = await asyncio.create_subprocess_exec(sys.executable, __file__, "--raw-server", "0",
+                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+    stdin, stdout = child.stdin, child.stdout
+
+    async def frames(rate: float, seconds: float) -> list[float]:
+        stdin.write(f"go {rate} {seconds} {frame_size}\n".encode())
+        await stdin.drain()
+        line = await asyncio.wait_for(stdout.readline(), seconds + 120)
+        if not line.startswith(b"SENT "):
+            raise RuntimeError(f"the raw server failed: {line!r}")
+        return list(orjson.loads(line[5:]))
+
+    try:
+        line = await asyncio.wait_for(stdout.readline(), 60)
+        if not line.startswith(b"PORT "):
+            raise RuntimeError(f"the raw server did not start: {line!r}")
+        base = f"http://127.0.0.1:{int(line.split()[1])}"
+        async with sse_clients(base, "/stream", 1) as (probe,):  # warm up, as ours is
+            await frames(args.rate, 0.1)
+            await wait_delivered([probe], round(args.rate * 0.1), 30)
+        await asyncio.sleep(0.5)
+        before = rss_bytes(child.pid)
+        async with sse_clients(base, "/stream", args.clients) as clients:
+            ready = rss_bytes(child.pid)
+            meter = CpuMeter.start({"raw": child.pid, "bench": os.getpid()})
+            async with RssSampler(child.pid) as rss:
+                sent = await frames(args.rate, args.seconds)
+                await wait_delivered(clients, len(sent), args.drain)
+            cpu = meter.busy()
+        result = tally("raw", clients, {n + 1: t for n, t in enumerate(sent)}, sent[0] if sent else 0.0)
+    finally:
+        stdin.close()  # the child's signal to stop
+        try:
+            await asyncio.wait_for(child.wait(), 30)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
+    result.memory_ready = (ready - before) / args.clients
+    result.memory_peak = (rss.peak - before) / args.clients
+    result.cpu = cpu
+    return result
+
+
+# --- (a) the run --------------------------------------------------------------------------------
+
+
+async def measure_frame_size(node: Node, args: argparse.Namespace) -> int:
+    """Bytes of one of ours' frames for a message of ``--size`` characters (the raw server copies it)."""
+    web = await start("web", env=node.env)
+    node.logs.append(("web-setup", web))
+    try:
+        base = await web.wait_listening(60)
+        node.http.url = base
+        await node.http.set_up()
+        async with sse_clients(base, "/corpus/stream", 1) as (probe,):
+            status, sequence = await append(node.http.session, base, node.http.agents[0], 10**6, args.content_size)
+            if sequence is None:
+                raise RuntimeError(f"a set-up write answered {status}")
+            await wait_delivered([probe], sequence, 30)
+            if not probe.sequences:
+                raise RuntimeError("the set-up stream delivered nothing within 30 s")
+            return probe.frame_bytes // len(probe.sequences)
+    finally:
+        await stop_process(web)
+
+
+def fanout_cpu_line(result: list[FanoutRound]) -> str:
+    names = [n for n in ("web", "writer", "publisher", "raw", "bench", "postgres", "rabbitmq", "machine")
+             if any(n in r.cpu for r in result)]
+    return ", ".join(f"{n} {statistics.median(r.cpu.get(n, 0.0) for r in result):.2f}" for n in names)
+
+
+def print_fanout(args: argparse.Namespace, frame_size: int, ours: list[FanoutRound], raw: list[FanoutRound]) -> None:
+    def med(rounds: list[FanoutRound], value: Callable[[FanoutRound], float]) -> float:
+        return statistics.median(value(r) for r in rounds)
+
+    def checks(rounds: list[FanoutRound]) -> str:
+        complete = sum(r.complete for r in rounds)
+        total = sum(r.clients for r in rounds)
+        text = f"{complete}/{total} client-rounds got every change exactly once, in order"
+        missing, disorder, cut = (sum(r.missing for r in rounds), sum(r.disorder for r in rounds),
+                                  sum(r.cut_off for r in rounds))
+        if missing or disorder or cut:
+            errors = sum((r.errors for r in rounds), Counter[str]())
+            text += f"; MISSING {missing} (client, change) pairs, {disorder} duplicate or out-of-order frames, " \
+                    f"{cut} clients cut off {dict(errors) or ''}"
+        return text
+
+    offered = args.clients * args.rate
+    print(f"SSE fan-out: {args.clients:,} clients on one node, {args.rate:g} changes/s for {args.seconds:g} s "
+          f"(~{frame_size} B frames, offered {offered:,.0f} frames/s), median of {len(ours)} alternating rounds")
+    print(f"  ours     {med(ours, lambda r: r.rate):10,.0f} frames/s   commit-to-client p50 "
+          f"{med(ours, lambda r: r.p50_ms):7.1f} ms  p99 {med(ours, lambda r: r.p99_ms):7.1f} ms   "
+          f"memory/client {med(ours, lambda r: r.memory_ready) / 1024:5.1f} KiB ready, "
+          f"{med(ours, lambda r: r.memory_peak) / 1024:5.1f} KiB peak")
+    print(f"           latency from the 201 answer (after the commit, so a lower bound); from the POST sent "
+          f"(an upper bound): p50 {med(ours, lambda r: r.upper_p50_ms):.1f} ms  "
+          f"p99 {med(ours, lambda r: r.upper_p99_ms):.1f} ms")
+    print(f"           writes answered 201: {med(ours, lambda r: r.write_rate):.0f}/s of {args.rate:g}/s asked"
+          + (f"; failed: {dict(sum((r.write_failures for r in ours), Counter[str]()))}"
+             if any(r.write_failures for r in ours) else ""))
+    print(f"  raw      {med(raw, lambda r: r.rate):10,.0f} frames/s   queued-to-client    p50 "
+          f"{med(raw, lambda r: r.p50_ms):7.1f} ms  p99 {med(raw, lambda r: r.p99_ms):7.1f} ms   "
+          f"memory/client {med(raw, lambda r: r.memory_ready) / 1024:5.1f} KiB ready, "
+          f"{med(raw, lambda r: r.memory_peak) / 1024:5.1f} KiB peak")
+    ratio = med(ours, lambda r: r.rate) / med(raw, lambda r: r.rate)
+    p99 = med(ours, lambda r: r.p99_ms)
+    print(f"  ratio ours/raw (frames/s) {ratio:.2f}: target >= {FANOUT_TARGET_RATIO} "
+          f"{_met(ratio >= FANOUT_TARGET_RATIO)};  ours p99 {p99:.1f} ms: target <= {FANOUT_TARGET_P99_MS:g} ms "
+          f"{_met(p99 <= FANOUT_TARGET_P99_MS)}")
+    print(f"  check, ours: {checks(ours)}")
+    print(f"  check, raw:  {checks(raw)}")
+    print(f"  ours includes {OURS_INCLUDES}")
+    print(f"  raw includes {RAW_INCLUDES}; it excludes {RAW_EXCLUDES}")
+    print("  frames/s = frames received by all clients / (first change sent -> last frame received); "
+          "memory/client = (server RSS with the clients connected - RSS before) / clients, "
+          "a fresh server process each round")
+    print(f"  CPUs busy (of {os.cpu_count()}), ours: {fanout_cpu_line(ours)}")
+    print(f"  CPUs busy (of {os.cpu_count()}), raw:  {fanout_cpu_line(raw)}")
+    print("  (bench = this process, which reads for every client on both sides; postgres and rabbitmq: "
+          "every such process on this machine)")
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _describe_round(r: FanoutRound) -> str:
+    return (f"{r.who:4s} {r.rate:10,.0f} frames/s  p50 {r.p50_ms:7.1f} ms  p99 {r.p99_ms:7.1f} ms  "
+            f"{r.complete}/{r.clients} complete  memory/client {r.memory_ready / 1024:.1f}/"
+            f"{r.memory_peak / 1024:.1f} KiB  cpu {', '.join(f'{k} {v:.2f}' for k, v in r.cpu.items())}")
+
 
 async def bench_fanout(args: argparse.Namespace) -> None:
-    """(a) SSE fan-out: to be written with its issue (many /corpus/stream clients, live writes)."""
-    raise SystemExit("--fanout (part a, SSE fan-out) is not implemented yet")
+    """(a) SSE fan-out: ours (the Procfile's processes) and plain aiohttp, in alternating rounds."""
+    raise_fd_limit(args.clients)
+    quiet_product_logs()
+    tag = uuid.uuid4().hex[:12]
+    ours: list[FanoutRound] = []
+    raw: list[FanoutRound] = []
+    with cancel_on_sigterm(), tempfile.TemporaryDirectory(prefix="tm-bench-") as data_dir:
+        async with private_vhost(args.amqp_url, args.vhost, f"tm_bench_{tag}") as amqp_url, \
+                fresh_database(args.database_url, args.keep) as dsn, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=MAX_WRITES_IN_FLIGHT),
+                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
+            env = clean_env(TOASTMACHINE_AMQP_URL=amqp_url, TOASTMACHINE_DATABASE_URL=dsn,
+                            TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000")
+            started: list[tuple[str, NodeProcess]] = []
+            try:
+                writer = await start("run", "writer", env=env)
+                started.append(("writer", writer))
+                await writer.wait_for_line(r"ToastMachine running writer", 60)  # it migrates the database
+                publisher = await start("run", "publisher", env=env)
+                started.append(("publisher", publisher))
+                await publisher.wait_for_line(r"ToastMachine running publisher", 60)
+                agents = [Agent(f"f{tag[:6]}_{i}") for i in range(args.agents)]
+                node = Node(env, writer, publisher, HttpSide(session, "", agents, args.content_size), started)
+                frame_size = await measure_frame_size(node, args)
+                for i in range(args.rounds):
+                    for who in (("raw", "ours") if i % 2 == 0 else ("ours", "raw")):
+                        if who == "ours":
+                            result = await fanout_ours(args, node)
+                            ours.append(result)
+                        else:
+                            result = await fanout_raw(args, frame_size)
+                            raw.append(result)
+                        if args.verbose:
+                            print(f"round {i} {_describe_round(result)}", flush=True)
+            finally:
+                await asyncio.gather(*(stop_process(p) for _, p in started))
+                if args.logs is not None:
+                    args.logs.mkdir(parents=True, exist_ok=True)
+                    for label, p in started:
+                        (args.logs / f"{label}.log").write_text("\n".join(p.output) + "\n")
+    print_fanout(args, frame_size, ours, raw)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--catchup", action="store_true", help="(b) changes.jsonl catch-up vs COPY (default)")
-    which.add_argument("--fanout", action="store_true", help="(a) SSE fan-out (not written yet)")
+    which.add_argument("--fanout", action="store_true", help="(a) SSE fan-out vs plain aiohttp")
     which.add_argument("--serve", metavar="DSN", help=argparse.SUPPRESS)  # child mode of --server subprocess
+    which.add_argument("--raw-server", metavar="PORT", type=int, help=argparse.SUPPRESS)  # child of --fanout
     parser.add_argument("--database-url", default=DEFAULT_DSN, help="a PostgreSQL server's maintenance database")
     parser.add_argument("--changes", type=int, default=100_000)
     parser.add_argument("--per-conversation", type=int, default=100, help="messages per conversation")
     parser.add_argument("--size", type=int, default=600, help="approximate bytes per event envelope")
     parser.add_argument("--limit", type=int, default=10_000, help="changes.jsonl page size")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median is reported")
+    parser.add_argument("--rounds", type=int, help="alternating rounds; the median is reported (5; --fanout 2)")
     parser.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess")
     parser.add_argument("--keep", action="store_true", help="keep the seeded database")
     parser.add_argument("--verbose", action="store_true", help="print every round")
+    fanout = parser.add_argument_group("--fanout")
+    fanout.add_argument("--clients", type=int, default=1000, help="concurrent SSE clients")
+    fanout.add_argument("--rate", type=float, default=200.0, help="changes written per second")
+    fanout.add_argument("--seconds", type=float, default=20.0, help="seconds of writing per round")
+    fanout.add_argument("--content", type=int, default=100, dest="content_size",
+                        help="characters of message content")
+    fanout.add_argument("--agents", type=int, default=4, help="agents writing, round robin")
+    fanout.add_argument("--drain", type=float, default=30.0,
+                        help="seconds the clients get to receive the last change after the writing")
+    fanout.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
+    fanout.add_argument("--vhost", choices=("private", "shared"), default="private",
+                        help="private: a RabbitMQ virtual host of its own (needs rabbitmqctl)")
+    fanout.add_argument("--logs", type=Path, help="write the node processes' output to DIR/<process>.log")
     args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 2 if args.fanout else 5
     if args.serve:
         await serve_front(args.serve)
+    elif args.raw_server is not None:
+        await serve_raw(args.raw_server)
     elif args.fanout:
         await bench_fanout(args)
     else:
