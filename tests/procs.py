@@ -108,3 +108,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def unexpected_tracebacks(output: list[str]) -> list[int]:
+    """Lines starting a traceback, except aiormq's own report of a connection the broker closed
+    (a warning with the exception attached, possibly chained: "The above exception was ...")."""
+    out: list[int] = []
+    allowed = False
+    for i, line in enumerate(output):
+        if not line.startswith("Traceback"):
+            continue
+        chained = i >= 2 and output[i - 2].startswith(("The above exception", "During handling"))
+        allowed = (chained and allowed) or (i > 0 and "Cancelling cause reader exited abnormally" in output[i - 1])
+        if not allowed:
+            out.append(i)
+    return out

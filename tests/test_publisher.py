@@ -259,13 +259,7 @@ async def deployment(tmp_path: Path, amqp_url: str, database_url: str,
         if name in killed:
             continue
         assert proc.proc.returncode == 0, f"{name}:\n" + "\n".join(proc.output[-80:])
-        assert not unexpected_tracebacks(proc.output), f"{name}:\n" + "\n".join(proc.output[-80:])
-
-
-def unexpected_tracebacks(output: list[str]) -> list[int]:
-    """Lines starting a traceback, except aiormq's own report of a connection the broker closed."""
-    return [i for i, line in enumerate(output) if line.startswith("Traceback")
-            and not (i > 0 and "Cancelling cause reader exited abnormally" in output[i - 1])]
+        assert not procs.unexpected_tracebacks(proc.output), f"{name}:\n" + "\n".join(proc.output[-80:])
 
 
 async def _post(session: aiohttp.ClientSession, url: str, agent: Agent, body: Any) -> dict[str, Any]:

@@ -121,23 +121,8 @@ async def deployment(tmp_path: Path, amqp_url: str, database_url: str) -> AsyncI
             continue
         tail = f"{name} (rc={proc.proc.returncode}):\n" + "\n".join(proc.output[-80:])
         assert proc.proc.returncode == 0, tail
-        tracebacks = unexpected_tracebacks(proc.output)
+        tracebacks = procs.unexpected_tracebacks(proc.output)
         assert not tracebacks, f"{name}: traceback:\n" + "\n".join(proc.output[tracebacks[0] - 3:tracebacks[0] + 30])
-
-
-def unexpected_tracebacks(output: list[str]) -> list[int]:
-    """Lines starting a traceback, except aiormq's own report of a connection the broker closed
-    (a warning with the exception attached, possibly chained: "The above exception was ...")."""
-    out: list[int] = []
-    allowed = False
-    for i, line in enumerate(output):
-        if not line.startswith("Traceback"):
-            continue
-        chained = i >= 2 and output[i - 2].startswith(("The above exception", "During handling"))
-        allowed = (chained and allowed) or (i > 0 and "Cancelling cause reader exited abnormally" in output[i - 1])
-        if not allowed:
-            out.append(i)
-    return out
 
 
 async def until(predicate: Callable[[], Awaitable[bool] | bool], what: str, timeout: float = WAIT) -> None:
