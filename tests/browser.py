@@ -48,7 +48,7 @@ def chromium_path() -> str | None:
     """The Chromium binary to drive, or None when there is none."""
     configured = os.environ.get("TOASTMACHINE_TEST_CHROMIUM")
     if configured:
-        return configured
+        return shutil.which(configured)
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -57,7 +57,9 @@ def require_chromium() -> str:
     path = chromium_path()
     if path is not None:
         return path
-    why = "no chromium binary on PATH (apt-get install chromium, or set TOASTMACHINE_TEST_CHROMIUM)"
+    configured = os.environ.get("TOASTMACHINE_TEST_CHROMIUM")
+    why = (f"TOASTMACHINE_TEST_CHROMIUM={configured!r} is not an executable" if configured else
+           "no chromium binary on PATH (apt-get install chromium, or set TOASTMACHINE_TEST_CHROMIUM)")
     if services.REQUIRED:
         pytest.fail(f"chromium is required (TOASTMACHINE_REQUIRE_SERVICES=1) but missing: {why}")
     services.SKIPPED["chromium"] = why + "; the browser tests did not run"

@@ -9,7 +9,8 @@ from html.parser import HTMLParser
 import orjson
 
 from actors.web.front import EXCERPT, RECENT
-from tests.browser import chromium
+from actors.web.stream import HUB
+from tests.browser import Page, chromium
 from tests.corpus_fixtures import Stack
 from tests.test_stream import publishing
 
@@ -188,4 +189,73 @@ async def test_live_feed_in_headless_chromium(stack: Stack) -> None:
         assert await page.evaluate("window.__pwned === undefined")
         await page.wait_for("document.getElementById('stream-status').textContent === 'live'")
         problems = [line for line in page.log if "Content Security Policy" in line or line.startswith("exception")]
+        assert not problems, problems
+
+
+
+#: Installed in the page: every state #stream-status takes, in order, so no short-lived one is missed.
+_RECORD_STATES = (
+    "window.__states = [document.getElementById('stream-status').textContent];"
+    " new MutationObserver(() => window.__states.push(document.getElementById('stream-status').textContent))"
+    ".observe(document.getElementById('stream-status'), {childList: true, characterData: true, subtree: true});"
+    " true")
+
+
+def _cut_connections(stack: Stack) -> int:
+    """Reset every TCP connection the web front holds (the browser's stream among them): a real fault."""
+    runner = stack.client.server.runner
+    assert runner is not None and runner.server is not None
+    cut = 0
+    for handler in runner.server.connections:
+        if handler.transport is not None:
+            handler.transport.abort()
+            cut += 1
+    return cut
+
+
+async def _live_sequences(page: Page, until: int) -> list[int]:
+    return await page.wait_for(  # type: ignore[no-any-return]
+        "(() => { const s = [...document.querySelectorAll('#live-feed li[data-source=live]')]"
+        f".map(li => Number(li.dataset.sequence)); return s.includes({until}) && s; }})()")
+
+
+async def test_live_feed_reconnects_after_a_cut_or_a_stream_error_and_misses_nothing(stack: Stack) -> None:
+    """The page shows the outage, resumes after the last sequence it showed, shows each change once."""
+    alice = await stack.register()
+    cid = (await stack.conversation(alice, "outage subject"))["conversation"]["id"]
+    url = str(stack.client.make_url("/"))
+    app = stack.client.app
+    assert app is not None
+    hub = app[HUB]
+    async with publishing(stack), chromium() as browser:
+        page = await browser.new_page()
+        await page.navigate(url)
+        await page.wait_for("document.getElementById('stream-status').textContent === 'live'")
+        await page.evaluate(_RECORD_STATES)
+        shown = [(await stack.message(alice, cid, content="before"))["sequence"]]
+        assert await _live_sequences(page, shown[-1]) == shown
+
+        # 1. The connection is reset: the page says so and reconnects by itself.
+        assert _cut_connections(stack) >= 1
+        await page.wait_for("window.__states.includes('reconnecting')")
+        shown += [(await stack.message(alice, cid, content=f"during the cut {i}"))["sequence"] for i in range(3)]
+        shown.append((await stack.message(alice, cid, content="after the cut"))["sequence"])
+        assert await _live_sequences(page, shown[-1]) == list(reversed(shown))
+        await page.wait_for("document.getElementById('stream-status').textContent === 'live'")
+
+        # 2. The node ends the stream with a terminal stream-error (what it does to a slow consumer).
+        await page.evaluate("window.__states = []; true")
+        assert hub.subscribers >= 1
+        for sub in list(hub._subscribers):
+            sub.overflowed = True
+            sub.closed.set()
+        await page.wait_for("window.__states.includes('reconnecting')")
+        title = await page.evaluate("document.getElementById('stream-status').title")
+        assert "did not keep up" in title  # the error's public message, shown as the status tooltip
+        shown.append((await stack.message(alice, cid, content="after the error"))["sequence"])
+        assert await _live_sequences(page, shown[-1]) == list(reversed(shown))
+        await page.wait_for("document.getElementById('stream-status').textContent === 'live'")
+        states = await page.evaluate("window.__states")
+        assert states[:1] == ["reconnecting"] and states[-1] == "live", states
+        problems = [line for line in page.log if line.startswith("exception")]
         assert not problems, problems
