@@ -574,6 +574,8 @@ class FanoutRound:
     p99_ms: float
     upper_p50_ms: float = math.nan  # ours: from the moment the POST was sent
     upper_p99_ms: float = math.nan
+    first_p50_ms: float = math.nan  # to the first client that got each change: the way there, not the fan-out
+    first_p99_ms: float = math.nan
     complete: int = 0  # clients that received every change exactly once, in order
     missing: int = 0  # (client, change) pairs never received
     disorder: int = 0  # frames received at or below a sequence already received
@@ -583,6 +585,7 @@ class FanoutRound:
     memory_peak: float = 0.0  # bytes per client: highest RSS while streaming minus before any
     frame_bytes: float = 0.0
     write_rate: float = math.nan  # ours: writes answered 201 per second while writing
+    commit_rate: float = math.nan  # ours: changes committed per second while writing
     write_failures: Counter[str] = field(default_factory=Counter)
     cpu: dict[str, float] = field(default_factory=dict)
 
@@ -592,23 +595,28 @@ class FanoutRound:
 
 
 def tally(who: str, clients: list[SseClient], reference: dict[int, float], started: float,
-          upper: dict[int, float] | None = None) -> FanoutRound:
-    """Check every client's sequences against the changes sent, and compute the latencies."""
-    expected = array("q", sorted(reference))
+          upper: dict[int, float] | None = None, expected: list[int] | None = None) -> FanoutRound:
+    """Check every client's sequences against ``expected`` (default: those of ``reference``), and
+    compute the latencies from ``reference`` (and ``upper``) for the sequences that have one."""
+    expected_sequences = array("q", sorted(reference) if expected is None else expected)
+    first: dict[int, float] = {}
     latencies: list[float] = []
     uppers: list[float] = []
-    result = FanoutRound(who, len(clients), len(expected), 0, 0.0, math.nan, math.nan)
-    expected_set = set(expected)
+    result = FanoutRound(who, len(clients), len(expected_sequences), 0, 0.0, math.nan, math.nan)
+    expected_set = set(expected_sequences)
     last_arrival = started
     frame_bytes = 0
     for c in clients:
         result.delivered += len(c.sequences)
         frame_bytes += c.frame_bytes
         result.disorder += c.disorder
-        if c.sequences == expected:
+        if c.sequences == expected_sequences:
             result.complete += 1
         else:
             result.missing += len(expected_set.difference(c.sequences))
+        for sequence, arrival in zip(c.sequences, c.arrivals, strict=True):
+            if arrival < first.get(sequence, math.inf):
+                first[sequence] = arrival
         if c.errors or c.lost:
             result.cut_off += 1
             result.errors.update(_error_code(e) for e in c.errors)
@@ -621,6 +629,8 @@ def tally(who: str, clients: list[SseClient], reference: dict[int, float], start
             uppers.extend(t - upper[s] for s, t in zip(c.sequences, c.arrivals, strict=True) if s in upper)
     latencies.sort()
     uppers.sort()
+    firsts = sorted(t - reference[s] for s, t in first.items() if s in reference)
+    result.first_p50_ms, result.first_p99_ms = 1000 * percentile(firsts, 0.5), 1000 * percentile(firsts, 0.99)
     result.elapsed = last_arrival - started
     result.p50_ms, result.p99_ms = 1000 * percentile(latencies, 0.5), 1000 * percentile(latencies, 0.99)
     if upper is not None:
@@ -697,6 +707,7 @@ class Node:
     """The node's long-lived processes and what every round of ours shares."""
 
     env: dict[str, str]
+    dsn: str
     writer: NodeProcess
     publisher: NodeProcess
     http: HttpSide
@@ -726,23 +737,37 @@ async def fanout_ours(args: argparse.Namespace, node: Node) -> FanoutRound:
                 raise RuntimeError("the warm-up stream did not deliver the warm-up writes within 30 s")
         await asyncio.sleep(0.5)
         before = rss_bytes(pid)
+        db = await asyncpg.connect(node.dsn)
+        try:
+            head = await db.fetchval("select coalesce(max(sequence), 0) from changes")
+        finally:
+            await db.close()
         async with sse_clients(base, "/corpus/stream", args.clients) as clients:
             ready = rss_bytes(pid)
             meter = CpuMeter.start({"web": pid, "writer": node.writer.proc.pid,
                                     "publisher": node.publisher.proc.pid, "bench": os.getpid()})
             async with RssSampler(pid) as rss:
                 answered, failures, writing = await paced_writes(node.http, args.rate, args.seconds, args.content_size)
-                if answered:
-                    await wait_delivered(clients, max(answered), args.drain)
+                # Every change committed in the round, 201 or not (a write answered 504 may commit later).
+                db = await asyncpg.connect(node.dsn)
+                try:
+                    await asyncio.sleep(1.0)
+                    committed = [r[0] for r in await db.fetch(
+                        "select sequence from changes where sequence > $1 order by sequence", head)]
+                finally:
+                    await db.close()
+                if committed:
+                    await wait_delivered(clients, committed[-1], args.drain)
             cpu = meter.busy()
         started = min((sent for sent, _ in answered.values()), default=time.perf_counter())
         result = tally("ours", clients, {s: t for s, (_, t) in answered.items()}, started,
-                       upper={s: t for s, (t, _) in answered.items()})
+                       upper={s: t for s, (t, _) in answered.items()}, expected=committed)
     finally:
         await stop_process(web)
     result.memory_ready = (ready - before) / args.clients
     result.memory_peak = (rss.peak - before) / args.clients
     result.write_rate = len(answered) / writing
+    result.commit_rate = len(committed) / writing
     result.write_failures = failures
     result.cpu = cpu
     return result
@@ -927,13 +952,18 @@ def print_fanout(args: argparse.Namespace, frame_size: int, ours: list[FanoutRou
     print(f"           latency from the 201 answer (after the commit, so a lower bound); from the POST sent "
           f"(an upper bound): p50 {med(ours, lambda r: r.upper_p50_ms):.1f} ms  "
           f"p99 {med(ours, lambda r: r.upper_p99_ms):.1f} ms")
-    print(f"           writes answered 201: {med(ours, lambda r: r.write_rate):.0f}/s of {args.rate:g}/s asked"
+    print(f"           to the first client (the way there, without the fan-out): p50 "
+          f"{med(ours, lambda r: r.first_p50_ms):.1f} ms  p99 {med(ours, lambda r: r.first_p99_ms):.1f} ms")
+    print(f"           changes committed {med(ours, lambda r: r.commit_rate):.0f}/s, writes answered 201 "
+          f"{med(ours, lambda r: r.write_rate):.0f}/s, of {args.rate:g}/s asked"
           + (f"; failed: {dict(sum((r.write_failures for r in ours), Counter[str]()))}"
              if any(r.write_failures for r in ours) else ""))
     print(f"  raw      {med(raw, lambda r: r.rate):10,.0f} frames/s   queued-to-client    p50 "
           f"{med(raw, lambda r: r.p50_ms):7.1f} ms  p99 {med(raw, lambda r: r.p99_ms):7.1f} ms   "
           f"memory/client {med(raw, lambda r: r.memory_ready) / 1024:5.1f} KiB ready, "
           f"{med(raw, lambda r: r.memory_peak) / 1024:5.1f} KiB peak")
+    print(f"           to the first client: p50 {med(raw, lambda r: r.first_p50_ms):.1f} ms  "
+          f"p99 {med(raw, lambda r: r.first_p99_ms):.1f} ms")
     ratio = med(ours, lambda r: r.rate) / med(raw, lambda r: r.rate)
     p99 = med(ours, lambda r: r.p99_ms)
     print(f"  ratio ours/raw (frames/s) {ratio:.2f}: target >= {FANOUT_TARGET_RATIO} "
@@ -958,7 +988,10 @@ def _met(ok: bool) -> str:
 
 def _describe_round(r: FanoutRound) -> str:
     return (f"{r.who:4s} {r.rate:10,.0f} frames/s  p50 {r.p50_ms:7.1f} ms  p99 {r.p99_ms:7.1f} ms  "
-            f"{r.complete}/{r.clients} complete  memory/client {r.memory_ready / 1024:.1f}/"
+            f"first client p50 {r.first_p50_ms:.1f} p99 {r.first_p99_ms:.1f} ms  "
+            + (f"writes 201 {r.write_rate:.0f}/s committed {r.commit_rate:.0f}/s {dict(r.write_failures)}  "
+               if r.who == "ours" else "")
+            + f"{r.complete}/{r.clients} complete  memory/client {r.memory_ready / 1024:.1f}/"
             f"{r.memory_peak / 1024:.1f} KiB  cpu {', '.join(f'{k} {v:.2f}' for k, v in r.cpu.items())}")
 
 
@@ -986,7 +1019,7 @@ async def bench_fanout(args: argparse.Namespace) -> None:
                 started.append(("publisher", publisher))
                 await publisher.wait_for_line(r"ToastMachine running publisher", 60)
                 agents = [Agent(f"f{tag[:6]}_{i}") for i in range(args.agents)]
-                node = Node(env, writer, publisher, HttpSide(session, "", agents, args.content_size), started)
+                node = Node(env, dsn, writer, publisher, HttpSide(session, "", agents, args.content_size), started)
                 frame_size = await measure_frame_size(node, args)
                 for i in range(args.rounds):
                     for who in (("raw", "ours") if i % 2 == 0 else ("ours", "raw")):
