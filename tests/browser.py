@@ -202,21 +202,22 @@ class Browser:
             del self.stderr[:-200]  # keep the tail only: Chromium can be chatty
 
     async def close(self) -> None:
-        """Close the connection, stop Chromium (SIGTERM, then SIGKILL after 10 s), remove the profile."""
+        """Close the connection, stop Chromium (SIGTERM, SIGKILL after 10 s, then its process group), remove the profile."""
         if self._ws is not None:
             await self._ws.close()
         if self._session is not None:
             await self._session.close()
         if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: renderers and helpers too
+            # The browser process stops (and reaps) its renderers and helpers itself on SIGTERM.
+            self.proc.terminate()
             try:
                 async with asyncio.timeout(10):
                     await self.proc.wait()
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 await self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: anything it left behind
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
