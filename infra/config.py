@@ -132,7 +132,8 @@ class Settings:
 
 
 # Variables with our prefix that are read by the test suite or CI, not by a node.
-_IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_REQUIRE_SERVICES"}
+_IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_TEST_CHROMIUM",
+            "TOASTMACHINE_REQUIRE_SERVICES"}
 
 
 def redact_url(url: str) -> str:

@@ -34,6 +34,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.write_sep("!", "REAL SERVICES SKIPPED", red=True, bold=True)
     for name, why in sorted(services.SKIPPED.items()):
         tr.write_line(f"  {name}: {why}", red=True, bold=True)
-    tr.write_line("  Only the embedded database and in-process bus were tested. "
-                  "Start the services (see README) or set TOASTMACHINE_REQUIRE_SERVICES=1 to make this fatal.",
-                  red=True)
+    tr.write_line("  The tests that need them were skipped (with only RabbitMQ/PostgreSQL missing, only the "
+                  "embedded database and in-process bus were tested). Start them (see README) or set "
+                  "TOASTMACHINE_REQUIRE_SERVICES=1 to make this fatal.", red=True)
