@@ -247,8 +247,7 @@ async def test_live_feed_reconnects_after_a_cut_or_a_stream_error_and_misses_not
         await page.evaluate("window.__states = []; true")
         assert hub.subscribers >= 1
         for sub in list(hub._subscribers):
-            sub.overflowed = True
-            sub.closed.set()
+            sub.cut_off()
         await page.wait_for("window.__states.includes('reconnecting')")
         title = await page.evaluate("document.getElementById('stream-status').title")
         assert "did not keep up" in title  # the error's public message, shown as the status tooltip

@@ -32,38 +32,49 @@ DEFAULT_SUBSCRIBER_QUEUE = 1_000
 
 
 class Subscription:
-    """One stream's view of the hub: a bounded queue of changes in sequence order."""
+    """One stream's view of the hub: a bounded queue of changes in sequence order.
+
+    Each change comes with its SSE frame, encoded once by the hub for every subscriber.
+    """
 
     def __init__(self, maxsize: int) -> None:
-        self.queue: asyncio.Queue[Change] = asyncio.Queue(maxsize=maxsize)
-        #: Set when the subscriber fell behind by more than its queue, or the hub closed.
+        self.maxsize = maxsize
+        # One slot more than the bound, kept for the end-of-subscription marker (None).
+        self.queue: asyncio.Queue[tuple[Change, bytes] | None] = asyncio.Queue(maxsize=maxsize + 1)
+        #: Set when the subscriber fell behind by more than its queue.
         self.overflowed = False
-        self.closed = asyncio.Event()
+        self.closed = False
 
-    def offer(self, change: Change) -> None:
-        if self.closed.is_set():
+    def offer(self, change: Change, frame: bytes) -> None:
+        if self.closed:
             return
-        try:
-            self.queue.put_nowait(change)
-        except asyncio.QueueFull:
-            self.overflowed = True
-            self.closed.set()
+        if self.queue.qsize() >= self.maxsize:
+            self.cut_off()
+            return
+        self.queue.put_nowait((change, frame))
 
-    async def next(self) -> Change | None:
-        """The next change, or None once the subscription is closed (overflow or shutdown)."""
-        if self.closed.is_set() and self.queue.empty():
-            return None
-        getter = asyncio.ensure_future(self.queue.get())
-        closer = asyncio.ensure_future(self.closed.wait())
-        try:
-            await asyncio.wait({getter, closer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closer.cancel()
-            if not getter.done():
-                getter.cancel()
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        return None
+    def cut_off(self) -> None:
+        """End the subscription because its reader fell behind (or a hole could not be read)."""
+        self.overflowed = True
+        self.close()
+
+    def close(self) -> None:
+        """End the subscription: what is queued is still delivered, then :meth:`next` answers None."""
+        if not self.closed:
+            self.closed = True
+            self.queue.put_nowait(None)  # always fits: the queue keeps a slot for it
+
+    async def next(self) -> tuple[Change, bytes] | None:
+        """The next change and its frame, or None once the subscription is closed and drained."""
+        item = await self.queue.get()
+        if item is None:
+            self.queue.put_nowait(None)  # later calls answer None too
+        return item
+
+
+def sse_frame(change: Change) -> bytes:
+    """The SSE frame of a change: ``id`` = sequence, ``event`` = type, ``data`` = the envelope."""
+    return f"id: {change.sequence}\nevent: {change.type}\ndata: {change.event}\n\n".encode()
 
 
 class NotificationHub:
@@ -101,7 +112,7 @@ class NotificationHub:
                 await self._consumer.drain(1.0)
             self._consumer = None
         for sub in list(self._subscribers):
-            sub.closed.set()
+            sub.close()
         self._subscribers.clear()
 
     @contextlib.asynccontextmanager
@@ -141,8 +152,7 @@ class NotificationHub:
                 # each resumes from its last sequence (and catches up) instead of missing changes.
                 log.warning("hub.hole_unreadable", after=after, upto=upto, error=repr(e))
                 for sub in list(self._subscribers):
-                    sub.overflowed = True
-                    sub.closed.set()
+                    sub.cut_off()
                 return
             page = [c for c in page if c.sequence < upto]
             if not page:
@@ -153,8 +163,9 @@ class NotificationHub:
 
     def _publish(self, change: Change) -> None:
         self.last_sequence = change.sequence
+        frame = sse_frame(change)
         for sub in list(self._subscribers):
-            sub.offer(change)
+            sub.offer(change, frame)
 
 
 def _envelope(event: ChangeEvent) -> dict[str, object]:

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from actors.history import Change, changes_after, head_sequence
 from actors.web.context import NODE
-from actors.web.hub import NotificationHub, Subscription
+from actors.web.hub import NotificationHub, Subscription, sse_frame
 from infra.db.pool import Target
 from infra.logs import get_logger
 from protocol.corpus import KINDS
@@ -131,15 +131,19 @@ class _Stream:
         self.last = last
 
     async def send(self, text: str) -> None:
-        async with asyncio.timeout(WRITE_TIMEOUT):
-            await self.response.write(text.encode())
+        await self.write(text.encode())
 
-    async def change(self, change: Change) -> None:
+    async def write(self, data: bytes) -> None:
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await self.response.write(data)
+
+    async def change(self, change: Change, frame: bytes | None = None) -> None:
+        """Send ``change`` (its ``frame`` when the hub encoded it already) unless already sent."""
         if change.sequence <= self.last:
             return
         self.last = change.sequence
         if self.filters.match(change):
-            await self.send(f"id: {change.sequence}\nevent: {change.type}\ndata: {change.event}\n\n")
+            await self.write(frame if frame is not None else sse_frame(change))
 
     async def error(self, code: str) -> None:
         message, how = _ERRORS[code]
@@ -208,13 +212,13 @@ async def _live(sub: Subscription, out: _Stream, heartbeat: float) -> None:
     while True:
         try:
             async with asyncio.timeout(heartbeat):
-                change = await sub.next()
+                item = await sub.next()
         except TimeoutError:
             await out.send(": heartbeat\n\n")
             continue
-        if change is None:
+        if item is None:
             return
-        await out.change(change)
+        await out.change(*item)
 
 
 async def _hub_context(app: web.Application) -> AsyncIterator[None]:
