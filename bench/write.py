@@ -81,7 +81,7 @@ APPEND_ROUTE = "/conversations/{id}/messages"
 BASELINE_INCLUDES = ("a pooled connection per write, BEGIN, INSERT messages, nextval('change_sequence'), "
                      "INSERT changes (the same event envelope), COMMIT")
 BASELINE_EXCLUDES = ("HTTP, authentication, admission, validation, the bus round trip, the operations "
-                     "(idempotency) row, savepoints, the sequence advisory lock")
+                     "(idempotency) row, the sequence advisory lock")
 
 
 # --- measuring ----------------------------------------------------------------------------------
