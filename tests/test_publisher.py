@@ -33,9 +33,9 @@ from infra.bus.base import EVENTS_EXCHANGE, Bus, Consumer, Delivery, QueueKind, 
 from infra.bus.rabbitmq import RabbitBus
 from protocol.events import ChangeEvent
 from protocol.messages import encode_message
-from tests import procs
 from tests.bus_fixtures import cleanup_rabbit, unique_name
 from tests.corpus_fixtures import Agent, Stack
+from tests.deployment import Deployment, deployment
 from tests.services import _rabbitmqctl, drop_broker_connections
 
 #: Seconds any single condition of these tests may take.
@@ -209,57 +209,16 @@ CLIENTS = 16
 PUBLISHER_STARTED = r"ToastMachine running publisher"
 
 
-@dataclass
-class Deployment:
-    """A writer, a web front and publishers as separate processes on one database and vhost."""
-
-    env: dict[str, str]
-    database_url: str
-    base: str = ""
-    processes: dict[str, procs.NodeProcess] = field(default_factory=dict)
-
-    async def start(self, name: str, *args: str, **env: str) -> procs.NodeProcess:
-        proc = await procs.start(*args, env={**self.env, **env})
-        self.processes[name] = proc
-        return proc
-
-    async def holder(self) -> str | None:
-        conn = await asyncpg.connect(self.database_url)
-        try:
-            return await active_publisher(conn)
-        finally:
-            await conn.close()
-
-
 @contextlib.asynccontextmanager
-async def deployment(tmp_path: Path, amqp_url: str, database_url: str,
-                     publishers: tuple[str, ...]) -> AsyncIterator[Deployment]:
-    env = procs.clean_env(
-        TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=amqp_url,
-        TOASTMACHINE_DATABASE_URL=database_url, TOASTMACHINE_PORT="0",
-        TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="100000",
-        TOASTMACHINE_COMMAND_TIMEOUT="5")
-    dep = Deployment(env=env, database_url=database_url)
-    killed: set[str] = set()
-    try:
-        writer = await dep.start("writer", "run", "writer")
-        await writer.wait_for_line(r"ToastMachine running writer", timeout=60)
-        web = await dep.start("web", "web")
-        dep.base = await web.wait_listening(timeout=60)
+async def publisher_deployment(tmp_path: Path, amqp_url: str, database_url: str,
+                               publishers: tuple[str, ...]) -> AsyncIterator[Deployment]:
+    """A writer, a web front and the named publishers as separate processes (tests/deployment.py)."""
+    async with deployment(tmp_path, amqp_url, database_url) as dep:
+        await dep.start("writer", "writer")
+        await dep.start("web", "web")
         for name in publishers:
-            proc = await dep.start(name, "run", "publisher", TOASTMACHINE_NODE_ID=name)
-            await proc.wait_for_line(PUBLISHER_STARTED, timeout=60)
+            await dep.start("publisher", name)
         yield dep
-        killed = {n for n, p in dep.processes.items() if p.proc.returncode == -signal.SIGKILL}
-    finally:
-        for proc in dep.processes.values():
-            if proc.proc.returncode is None:
-                await proc.stop()
-    for name, proc in dep.processes.items():
-        if name in killed:
-            continue
-        assert proc.proc.returncode == 0, f"{name}:\n" + "\n".join(proc.output[-80:])
-        assert not procs.unexpected_tracebacks(proc.output), f"{name}:\n" + "\n".join(proc.output[-80:])
 
 
 async def _post(session: aiohttp.ClientSession, url: str, agent: Agent, body: Any) -> dict[str, Any]:
@@ -347,7 +306,7 @@ async def assert_every_message_sequence(received: Received, database_url: str) -
 async def test_active_publisher_killed_mid_load_the_standby_takes_over_and_nothing_is_lost(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with durable_queue(rabbitmq_url, "message.appended.*") as received, \
-            deployment(tmp_path, rabbitmq_url, database_url, ("pub-a", "pub-b")) as dep:
+            publisher_deployment(tmp_path, rabbitmq_url, database_url, ("pub-a", "pub-b")) as dep:
         await until(dep.holder, "a publisher holds the lock")
         holder = await dep.holder()
         names = {application_name(n): n for n in ("pub-a", "pub-b")}
@@ -357,7 +316,7 @@ async def test_active_publisher_killed_mid_load_the_standby_takes_over_and_nothi
         assert not any("publisher.active" in line for line in dep.processes[standby].output)
 
         load = Load()
-        loader = asyncio.create_task(run_load(dep.base, load))
+        loader = asyncio.create_task(run_load(dep.urls["web"], load))
         try:
             await until_created(load, MESSAGES // 3, loader)
             await received.until(lambda r: len(r.deliveries) > 0, "events flowing before the kill")
@@ -381,10 +340,10 @@ async def test_active_publisher_killed_mid_load_the_standby_takes_over_and_nothi
 async def test_broker_dropping_every_connection_mid_load_loses_no_event(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with durable_queue(rabbitmq_url, "message.appended.*") as received, \
-            deployment(tmp_path, rabbitmq_url, database_url, ("pub-only",)) as dep:
+            publisher_deployment(tmp_path, rabbitmq_url, database_url, ("pub-only",)) as dep:
         await until(dep.holder, "the publisher holds the lock")
         load = Load()
-        loader = asyncio.create_task(run_load(dep.base, load))
+        loader = asyncio.create_task(run_load(dep.urls["web"], load))
         try:
             for fraction in (4, 2):
                 await until_created(load, MESSAGES // fraction, loader)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,97 +31,19 @@ import asyncpg
 import orjson
 import pytest
 
-from actors.publisher import active_publisher, application_name
+from actors.publisher import application_name
 from tests import procs
 from tests.corpus_fixtures import Agent
+from tests.deployment import COMMAND_TIMEOUT, WAIT, deployment
 from tests.sse import frames
 
 #: Messages in each load, and concurrent client tasks sending them.
 MESSAGES = 600
 CLIENTS = 16
-#: Seconds the web front waits for the writer before answering 504 (short: retried writes go quickly).
-COMMAND_TIMEOUT = 5.0
-#: Seconds any single condition may take, and a whole write (all its retries) may take.
-WAIT = 60.0
+#: Seconds a whole write (all its retries) may take.
 WRITE_DEADLINE = 120.0
 #: Longest the broker may stay stopped waiting for a write to fail against it (it is everyone's).
 OUTAGE = 20.0
-
-STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher"}
-
-
-# --- processes ----------------------------------------------------------------------------------
-
-
-def procfile() -> dict[str, str]:
-    """The Procfile as ``{process type: command line}``."""
-    out: dict[str, str] = {}
-    for line in (procs.ROOT / "Procfile").read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            name, _, command = line.partition(":")
-            out[name.strip()] = command.strip()
-    return out
-
-
-@dataclass
-class Deployment:
-    """Processes of the Procfile's types on one database and virtual host, stopped on exit."""
-
-    env: dict[str, str]
-    database_url: str
-    commands: dict[str, str] = field(default_factory=procfile)
-    processes: dict[str, procs.NodeProcess] = field(default_factory=dict)
-    urls: dict[str, str] = field(default_factory=dict)
-
-    async def start(self, kind: str, name: str, **env: str) -> procs.NodeProcess:
-        """Start process type ``kind`` as ``name`` (its node id) and wait for its start line."""
-        extra = {"TOASTMACHINE_NODE_ID": name, **env}
-        if kind == "web":
-            extra.setdefault("PORT", str(procs.free_port()))
-        proc = await procs.start(env={**self.env, **extra}, program=("/bin/sh", "-c", self.commands[kind]))
-        self.processes[name] = proc
-        if kind == "web":
-            url = await proc.wait_listening(timeout=WAIT)
-            assert url.endswith(":" + extra["PORT"]), url
-            self.urls[name] = url
-        else:
-            await proc.wait_for_line(STARTED[kind], timeout=WAIT)
-        return proc
-
-    async def holder(self) -> str | None:
-        """``application_name`` of the session holding the publisher lock."""
-        conn = await asyncpg.connect(self.database_url)
-        try:
-            return await active_publisher(conn)
-        finally:
-            await conn.close()
-
-
-@contextlib.asynccontextmanager
-async def deployment(tmp_path: Path, amqp_url: str, database_url: str) -> AsyncIterator[Deployment]:
-    """A deployment the test starts processes in; on exit every live process gets SIGTERM and must
-    exit 0 without a traceback (a SIGKILLed one excepted)."""
-    env = procs.clean_env(
-        PATH=f"{Path(sys.executable).parent}:{procs.os.environ.get('PATH', '')}",
-        TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=amqp_url,
-        TOASTMACHINE_DATABASE_URL=database_url,
-        TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="100000",
-        TOASTMACHINE_COMMAND_TIMEOUT=str(COMMAND_TIMEOUT), TOASTMACHINE_STREAM_HEARTBEAT="1")
-    dep = Deployment(env=env, database_url=database_url)
-    try:
-        yield dep
-    finally:
-        live = [p for p in reversed(dep.processes.values()) if p.proc.returncode is None]
-        await asyncio.gather(*(p.stop() for p in live), return_exceptions=True)
-        for name, proc in dep.processes.items():  # kept in the test's temp dir for post-mortems
-            (tmp_path / f"{name}.log").write_text("\n".join(proc.output) + "\n")
-    for name, proc in dep.processes.items():
-        if proc.proc.returncode == -signal.SIGKILL:
-            continue
-        tail = f"{name} (rc={proc.proc.returncode}):\n" + "\n".join(proc.output[-80:])
-        assert proc.proc.returncode == 0, tail
-        tracebacks = procs.unexpected_tracebacks(proc.output)
-        assert not tracebacks, f"{name}: traceback:\n" + "\n".join(proc.output[tracebacks[0] - 3:tracebacks[0] + 30])
 
 
 async def until(predicate: Callable[[], Awaitable[bool] | bool], what: str, timeout: float = WAIT) -> None:
