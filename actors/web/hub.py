@@ -64,6 +64,17 @@ class Subscription:
             self.closed = True
             self.queue.put_nowait(None)  # always fits: the queue keeps a slot for it
 
+    def ready_now(self, limit: int) -> list[tuple[Change, bytes]]:
+        """Up to ``limit`` changes already waiting (without waiting); the end marker stays queued."""
+        out: list[tuple[Change, bytes]] = []
+        while len(out) < limit and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is None:
+                self.queue.put_nowait(None)
+                break
+            out.append(item)
+        return out
+
     async def next(self) -> tuple[Change, bytes] | None:
         """The next change and its frame, or None once the subscription is closed and drained."""
         item = await self.queue.get()
