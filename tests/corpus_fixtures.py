@@ -24,7 +24,7 @@ from infra.db import CorpusIdentity, Database, apply_migrations, ensure_identity
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
 
-__all__ = ["Agent", "Stack", "publishing", "stack", "stack_backends"]
+__all__ = ["Agent", "Stack", "publishing", "running_stack", "stack", "stack_backends"]
 
 
 @dataclass(slots=True)
@@ -139,20 +139,27 @@ async def stack(stack_backends: tuple[str | None, str], request: pytest.FixtureR
     amqp_url, server = stack_backends
     marker = request.node.get_closest_marker("stack_env")
     env = {**STACK_ENV, **(marker.kwargs if marker else {})}
-    async with fresh_database(server) as dsn:
-        db = await Database.connect(dsn, min_size=1, max_size=8, connect_timeout=10)
-        bus = make_bus(amqp_url)
+    async with fresh_database(server) as dsn, running_stack(dsn, amqp_url, env) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def running_stack(dsn: str, amqp_url: str | None, env: dict[str, str]) -> AsyncIterator[Stack]:
+    """Web front + corpus writer on the database at ``dsn`` (migrated here) and the bus at
+    ``amqp_url`` (None: in-process), with settings from ``env``."""
+    db = await Database.connect(dsn, min_size=1, max_size=8, connect_timeout=10)
+    bus = make_bus(amqp_url)
+    try:
+        await apply_migrations(db)
+        identity = await ensure_identity(db, None, None)
+        await bus.connect()
+        writer = CorpusWriter(bus, node_id="test-writer", db=db, identity=identity)
+        await writer.start()
         try:
-            await apply_migrations(db)
-            identity = await ensure_identity(db, None, None)
-            await bus.connect()
-            writer = CorpusWriter(bus, node_id="test-writer", db=db, identity=identity)
-            await writer.start()
-            try:
-                async with serve(make_app(test_node(db, bus, env, identity=identity))) as client:
-                    yield Stack(client=client, db=db, bus=bus, writer=writer, identity=identity)
-            finally:
-                await writer.stop(grace=5)
+            async with serve(make_app(test_node(db, bus, env, identity=identity))) as client:
+                yield Stack(client=client, db=db, bus=bus, writer=writer, identity=identity)
         finally:
-            await bus.close()
-            await db.close()
+            await writer.stop(grace=5)
+    finally:
+        await bus.close()
+        await db.close()

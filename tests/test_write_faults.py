@@ -25,15 +25,11 @@ import aiohttp
 import asyncpg
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from actors.web.app import make_app
-from actors.writer import CorpusWriter
-from infra.bus import make_bus
-from infra.config import Settings
-from infra.db import Database, EmbeddedPostgres, apply_migrations, ensure_identity, start_embedded
+from infra.db import Database, EmbeddedPostgres, start_embedded
 from tests import procs
-from tests.corpus_fixtures import Agent
+from tests.corpus_fixtures import STACK_ENV, Agent, running_stack
 
 pytestmark = pytest.mark.fault
 
@@ -280,31 +276,9 @@ class InProcess:
 @contextlib.asynccontextmanager
 async def in_process_stack(dsn: str, amqp_url: str | None) -> AsyncIterator[InProcess]:
     """Like the ``stack`` fixture, on ``dsn`` (whose server the test stops and starts itself)."""
-    from toastmachine.node import Node
-
-    settings = Settings.from_env({"TOASTMACHINE_WRITES_PER_SECOND": "100000",
-                                  "TOASTMACHINE_REGISTER_PER_MINUTE": "100000",
-                                  "TOASTMACHINE_COMMAND_TIMEOUT": "5"})
-    db = await Database.connect(dsn, min_size=1, max_size=8, connect_timeout=10)
-    bus = make_bus(amqp_url)
-    try:
-        await apply_migrations(db)
-        identity = await ensure_identity(db, None, None)
-        await bus.connect()
-        node = Node(settings=settings, db=db, bus=bus, identity=identity, identity_error=None,
-                    database_label="test")
-        writer = CorpusWriter(bus, node_id="fault-writer", db=db, identity=identity)
-        await writer.start()
-        client = TestClient(TestServer(make_app(node)))
-        await client.start_server()
-        try:
-            yield InProcess(client=client, db=db)
-        finally:
-            await client.close()
-            await writer.stop(grace=5)
-    finally:
-        await bus.close()
-        await db.close()
+    env = {**STACK_ENV, "TOASTMACHINE_COMMAND_TIMEOUT": "5"}
+    async with running_stack(dsn, amqp_url, env) as stack:
+        yield InProcess(client=stack.client, db=stack.db)
 
 
 @pytest.mark.timeout(180)
