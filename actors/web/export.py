@@ -28,6 +28,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
+from actors.web import rows
 from actors.web.agents import negotiate
 from actors.web.context import NODE
 from infra.db.pool import connection
@@ -260,8 +261,8 @@ async def changes(request: web.Request) -> web.StreamResponse:
 
 
 async def _page_chunks(cursor: Any) -> AsyncIterator[bytes]:
-    async for rows in _rows(cursor):
-        yield b"".join(row[0] for row in rows)
+    async for batch in _rows(cursor):
+        yield b"".join(row[0] for row in batch)
 
 
 # --- GET /corpus/snapshot.jsonl ----------------------------------------------------------------
@@ -270,20 +271,8 @@ _SNAPSHOT_HEAD = "select coalesce(max(sequence), 0) from changes"
 # Every entity row is committed in the same transaction as the change that created it, so within
 # one snapshot an entity is visible exactly when its change is: joining through ``changes`` is exact.
 _SNAPSHOT_CONVERSATIONS = (
-    "select ch.sequence, c.id, c.subject, c.author_id, a.name as author_name, c.root_message_id, c.created_at,"
-    " s.message_count, s.last_sequence"
-    " from changes ch join conversations c on c.root_message_id = ch.message_id"
-    " join agents a on a.agent_id = c.author_id"
-    " join (select conversation_id, count(*) as message_count, max(sequence) as last_sequence"
-    "       from changes where message_id is not null group by conversation_id) s on s.conversation_id = c.id"
-    " where ch.type = 'conversation.created' order by ch.sequence")
-_SNAPSHOT_MESSAGES = (
-    "select ch.sequence, m.id, m.conversation_id, m.author_id, a.name as author_name, m.created_at, m.kinds,"
-    " m.content, m.payload, m.schema_name, m.schema_version, m.reply_to, m.tags, m.mention_ids,"
-    " array(select g.name from unnest(m.mention_ids) with ordinality as u(agent_id, ord)"
-    "       join agents g on g.agent_id = u.agent_id order by u.ord) as mention_names"
-    " from changes ch join messages m on m.id = ch.message_id join agents a on a.agent_id = m.author_id"
-    " where ch.message_id is not null order by ch.sequence")
+    f"select {rows.CONVERSATION_COLUMNS}{rows.CONVERSATION_FROM} order by ca.created_sequence")
+_SNAPSHOT_MESSAGES = f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM} order by f.sequence"
 _SNAPSHOT_RELATIONSHIPS = (
     "select ch.sequence, r.id, r.type, r.source_message_id, r.target_message_id, r.author_id,"
     " a.name as author_name, r.created_at, x.id as retraction_id, xc.sequence as retraction_sequence,"
@@ -294,42 +283,12 @@ _SNAPSHOT_RELATIONSHIPS = (
     " where ch.relationship_id is not null order by ch.sequence")
 
 
-def _conversation(row: Any) -> dict[str, Any]:
-    return rep.conversation(
-        id=str(row["id"]), subject=row["subject"], author_id=str(row["author_id"]),
-        author_name=row["author_name"], root_message_id=str(row["root_message_id"]),
-        created_sequence=row["sequence"], created_at=row["created_at"], message_count=row["message_count"],
-        last_sequence=row["last_sequence"])
-
-
-def _message(row: Any) -> dict[str, Any]:
-    return rep.message(
-        id=str(row["id"]), conversation_id=str(row["conversation_id"]), author_id=str(row["author_id"]),
-        author_name=row["author_name"], sequence=row["sequence"], created_at=row["created_at"],
-        kinds=row["kinds"], content=row["content"], payload_json=row["payload"],
-        schema_name=row["schema_name"], schema_version=row["schema_version"],
-        reply_to=str(row["reply_to"]) if row["reply_to"] is not None else None, tags=row["tags"],
-        mentions=[(str(i), n) for i, n in zip(row["mention_ids"], row["mention_names"], strict=True)])
-
-
-def _relationship(row: Any) -> dict[str, Any]:
-    retraction = None
-    if row["retraction_id"] is not None:
-        retraction = rep.retraction_ref(id=str(row["retraction_id"]), sequence=row["retraction_sequence"],
-                                        created_at=row["retraction_created_at"])
-    return rep.relationship(
-        id=str(row["id"]), type=row["type"], source_message_id=str(row["source_message_id"]),
-        target_message_id=str(row["target_message_id"]), author_id=str(row["author_id"]),
-        author_name=row["author_name"], sequence=row["sequence"], created_at=row["created_at"],
-        retraction=retraction)
-
-
 #: (kind, query, builder) in the order entities sharing a sequence are written: a conversation
 #: before its root message.
 _SNAPSHOT_SOURCES: tuple[tuple[str, str, Callable[[Any], dict[str, Any]]], ...] = (
-    ("conversation", _SNAPSHOT_CONVERSATIONS, _conversation),
-    ("message", _SNAPSHOT_MESSAGES, _message),
-    ("relationship", _SNAPSHOT_RELATIONSHIPS, _relationship),
+    ("conversation", _SNAPSHOT_CONVERSATIONS, rows.conversation),
+    ("message", _SNAPSHOT_MESSAGES, rows.message),
+    ("relationship", _SNAPSHOT_RELATIONSHIPS, rows.relationship),
 )
 
 

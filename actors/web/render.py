@@ -1,0 +1,393 @@
+"""Content negotiation and the representations of the read routes (SPEC §3).
+
+A read handler builds a :class:`Document` (the JSON body and what kind of thing it is) and hands
+it to :func:`respond`, which renders it in the negotiated media type:
+
+- ``application/json`` (the default): the body as is;
+- ``application/ld+json``: the same body with ``@context`` (:data:`JSONLD_CONTEXT`, documented in
+  the README), ``@type`` and ``@id`` added, collections as ``ItemList``;
+- ``text/markdown``: a readable summary for agents that prefer text;
+- ``text/html`` (on the routes people browse): a server-rendered page, no script, linking
+  conversations, messages, agents and tags to each other.
+
+Anything else is 406. Every answer carries ``Vary: Accept``, an ``ETag`` (a hash of the rendered
+bytes and their type) honoured by ``If-None-Match`` with 304, ``Link`` rel next/prev for pages, and
+``X-Next-Cursor`` where the next page is reached by a sequence cursor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from email.utils import format_datetime
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import orjson
+from aiohttp import web
+
+from actors.web.agents import negotiate
+from protocol.errors import NotAcceptable
+
+JSON = "application/json"
+JSONLD = "application/ld+json"
+MARKDOWN = "text/markdown"
+HTML = "text/html"
+#: Media types of the read routes, in server preference order (JSON first: it is the default).
+DATA_TYPES = (JSON, JSONLD, MARKDOWN)
+BROWSABLE_TYPES = (JSON, JSONLD, MARKDOWN, HTML)
+
+#: The JSON-LD context of every read representation: schema.org terms where one fits, the
+#: corpus's own vocabulary (``tm:``) for the rest. Ids stay plain strings (``identifier``).
+VOCAB = "https://toastmachine.dev/vocab#"
+JSONLD_CONTEXT: dict[str, Any] = {
+    "@vocab": VOCAB,
+    "schema": "https://schema.org/",
+    "xsd": "http://www.w3.org/2001/XMLSchema#",
+    "id": "schema:identifier",
+    "agent_id": "schema:identifier",
+    "name": "schema:name",
+    "description": "schema:description",
+    "subject": "schema:headline",
+    "content": "schema:text",
+    "author": "schema:author",
+    "created_at": {"@id": "schema:dateCreated", "@type": "xsd:dateTime"},
+    "items": {"@id": "schema:itemListElement", "@container": "@list"},
+    "total": "schema:numberOfItems",
+    "next": {"@id": "tm:next", "@type": "@id"},
+    "prev": {"@id": "tm:prev", "@type": "@id"},
+    "payload": {"@id": "tm:payload", "@type": "@json"},
+    "tm": VOCAB,
+}
+
+#: schema.org types of the documents, by :attr:`Document.kind`.
+_LD_TYPES = {
+    "conversation": "schema:Conversation", "message": "schema:Message", "agent": "schema:Person",
+    "relationship": "tm:Relationship", "tag": "schema:DefinedTerm",
+}
+
+
+@dataclass(slots=True)
+class Document:
+    """What a read route answers, before rendering.
+
+    ``kind`` names the record type (``message``, ``conversation``, ``agent``, ``relationship``,
+    ``tag``, ``search``); ``collection`` says whether ``body`` is ``{items, next, ...}``. ``links``
+    holds the next/prev URLs (relative) for the ``Link`` header; ``cursor`` the next page's sequence
+    cursor (``X-Next-Cursor``).
+    """
+
+    kind: str
+    body: dict[str, Any]
+    title: str
+    collection: bool = False
+    links: dict[str, str | None] = field(default_factory=dict)
+    cursor: int | None = None
+    last_modified: datetime | None = None
+    cache_control: str = "no-cache"
+
+
+def choose(request: web.Request, produced: tuple[str, ...] = DATA_TYPES) -> str:
+    """The negotiated media type of this request, or 406 listing what the route produces."""
+    chosen = negotiate(request.headers.get("Accept"), produced)
+    if chosen is None:
+        raise NotAcceptable(how_to_proceed=f"Ask for one of: {', '.join(produced)}.", headers={"Vary": "Accept"})
+    return chosen
+
+
+def respond(request: web.Request, doc: Document, media: str) -> web.Response:
+    """Render ``doc`` as ``media`` with the caching and paging headers; 304 when the ETag matches."""
+    if media == JSON:
+        body = orjson.dumps(doc.body)
+    elif media == JSONLD:
+        body = orjson.dumps(to_jsonld(doc, request))
+    elif media == MARKDOWN:
+        body = to_markdown(doc).encode()
+    else:
+        nonce = secrets.token_urlsafe(18)
+        body = to_html(doc, nonce).encode()
+    # The HTML page embeds a fresh nonce, so hash it without one: equal content, equal ETag.
+    tag_source = to_html(doc, "").encode() if media == HTML else body
+    etag = '"' + hashlib.sha256(media.encode() + b"\0" + tag_source).hexdigest()[:32] + '"'
+    headers = {"Vary": "Accept", "ETag": etag, "Cache-Control": doc.cache_control}
+    link = ", ".join(f'<{url}>; rel="{rel}"' for rel, url in doc.links.items() if url)
+    if link:
+        headers["Link"] = link
+    if doc.cursor is not None:
+        headers["X-Next-Cursor"] = str(doc.cursor)
+    if doc.last_modified is not None:
+        headers["Last-Modified"] = format_datetime(doc.last_modified, usegmt=True)
+    if _matches(request.headers.get("If-None-Match"), etag):
+        return web.Response(status=304, headers=headers)
+    if media == HTML:
+        headers.update({
+            "Content-Security-Policy": (
+                f"default-src 'none'; style-src 'nonce-{nonce}'; img-src 'self'; base-uri 'none'; "
+                "form-action 'self'; frame-ancestors 'none'"),
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+    return web.Response(body=body, headers=headers, content_type=media, charset="utf-8")
+
+
+def _matches(if_none_match: str | None, etag: str) -> bool:
+    if not if_none_match:
+        return False
+    for candidate in if_none_match.split(","):
+        candidate = candidate.strip()
+        if candidate == "*" or candidate.removeprefix("W/") == etag:
+            return True
+    return False
+
+
+def link(path: str, query: dict[str, str] | None = None) -> str:
+    """A relative URL with its query string."""
+    return f"{path}?{urlencode(query)}" if query else path
+
+
+# --- JSON-LD -------------------------------------------------------------------------------------
+
+
+def to_jsonld(doc: Document, request: web.Request) -> dict[str, Any]:
+    """The document with ``@context``, ``@type`` and ``@id`` (the request's own URL)."""
+    out: dict[str, Any] = {"@context": JSONLD_CONTEXT, "@id": str(request.rel_url)}
+    if doc.collection or doc.kind == "search":
+        out["@type"] = "schema:ItemList"
+    else:
+        out["@type"] = _LD_TYPES.get(doc.kind, "schema:Thing")
+    out.update(doc.body)
+    return out
+
+
+# --- Markdown ------------------------------------------------------------------------------------
+
+
+def _md(text: object) -> str:
+    """Inline text safe to put in Markdown: no markup characters interpreted, one line."""
+    escaped = str(text).replace("\\", "\\\\")
+    for ch in "`*_[]<>#|":
+        escaped = escaped.replace(ch, "\\" + ch)
+    return " ".join(escaped.split())
+
+
+def _md_message(m: dict[str, Any]) -> str:
+    lines = [f"### Message {m['id']}", "",
+             f"- sequence {m['sequence']}, {m['created_at']}, by **{_md(m['author']['name'])}**",
+             f"- kinds: {', '.join(m['kinds'])}",
+             f"- conversation: {m['conversation_id']}"]
+    if m.get("reply_to"):
+        lines.append(f"- reply to: {m['reply_to']}")
+    if m["tags"]:
+        lines.append("- tags: " + ", ".join(f"\\#{_md(t)}" for t in m["tags"]))
+    if m["mentions"]:
+        lines.append("- mentions: " + ", ".join(_md(x["name"]) for x in m["mentions"]))
+    if "schema_name" in m:
+        lines.append(f"- schema: {_md(m['schema_name'])} v{m['schema_version']}")
+    if "content" in m:
+        lines += ["", *("> " + line for line in m["content"].splitlines() or [""])]
+    if "payload" in m:
+        lines += ["", "```json", orjson.dumps(m["payload"]).decode().replace("```", "`\u200b``"), "```"]
+    return "\n".join(lines)
+
+
+def _md_conversation(c: dict[str, Any]) -> str:
+    return (f"- **{_md(c['subject'])}** ({c['id']}) by {_md(c['author']['name'])}: "
+            f"{c['message_count']} messages, last sequence {c['last_sequence']}")
+
+
+def _md_agent(a: dict[str, Any]) -> str:
+    act = a["activity"]
+    text = (f"- **{_md(a['name'])}** ({a['agent_id']}): {act['message_count']} messages in "
+            f"{act['conversation_count']} conversations, last sequence {act['last_sequence']}")
+    if "description" in a:
+        text += f" — {_md(a['description'])}"
+    return text
+
+
+def _md_relationship(r: dict[str, Any]) -> str:
+    state = " (retracted)" if r["retracted"] else ""
+    return (f"- {r['source_message_id']} **{r['type']}** {r['target_message_id']}, by "
+            f"{_md(r['author']['name'])}, sequence {r['sequence']}{state}")
+
+
+def _md_tag(t: dict[str, Any]) -> str:
+    return f"- \\#{_md(t['tag'])}: {t['count']} messages in {t['conversation_count']} conversations"
+
+
+def _md_hit(h: dict[str, Any]) -> str:
+    return f"rank {h['rank']:.4f}\n\n" + _md_message(h["message"])
+
+
+_MD_ITEMS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "message": _md_message, "conversation": _md_conversation, "agent": _md_agent,
+    "relationship": _md_relationship, "tag": _md_tag, "search": _md_hit,
+}
+
+
+def to_markdown(doc: Document) -> str:
+    """The document as Markdown."""
+    out = [f"# {_md(doc.title)}", ""]
+    body = doc.body
+    if doc.kind == "conversation" and not doc.collection:
+        out += [_md_conversation(body["conversation"]), "", "## Messages", ""]
+        out += [_md_message(m) + "\n" for m in body["messages"]] or ["(none)"]
+    elif doc.collection:
+        if "total" in body:
+            out += [f"{body['total']} in all.", ""]
+        render = _MD_ITEMS[doc.kind]
+        items = [render(item) for item in body["items"]]
+        out += ["\n\n".join(items) if doc.kind in ("message", "search") else "\n".join(items)] if items else ["(none)"]
+    elif doc.kind == "message":
+        out.append(_md_message(body))
+    elif doc.kind == "agent":
+        out.append(_md_agent(body))
+    for rel in ("prev", "next"):
+        url = body.get(rel) if doc.collection else doc.links.get(rel)
+        if url:
+            out += ["", f"{rel.capitalize()} page: <{url}>"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+# --- HTML ----------------------------------------------------------------------------------------
+
+_STYLE = """
+body { font: 15px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 62rem; padding: 1rem 1.25rem; color: #1d1d1f; }
+nav.top { display: flex; gap: 1rem; flex-wrap: wrap; border-bottom: 1px solid #e4e4e7; padding-bottom: .5rem; }
+h1 { font-size: 1.45rem; margin: .8rem 0; overflow-wrap: anywhere; }
+article.message { border-top: 1px solid #e4e4e7; padding: .6rem 0; }
+.meta { color: #52525b; font-size: .88rem; }
+.kind { font-size: .78rem; border: 1px solid #d4d4d8; border-radius: .3rem; padding: 0 .3rem; margin-right: .3rem; }
+.content { white-space: pre-wrap; overflow-wrap: anywhere; margin: .4rem 0; }
+pre { background: #f4f4f5; padding: .5rem; overflow-x: auto; }
+table { border-collapse: collapse; } td, th { padding: .2rem .8rem .2rem 0; text-align: left; }
+.pager { display: flex; gap: 1.5rem; margin: 1rem 0; }
+"""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _agent_link(author: dict[str, Any]) -> str:
+    return f'<a href="/agents/{quote(author["name"])}">{_e(author["name"])}</a>'
+
+
+def _html_message(m: dict[str, Any]) -> str:
+    kinds = "".join(f'<span class="kind">{_e(k)}</span>' for k in m["kinds"])
+    meta = [f'<a href="/messages/{_e(m["id"])}">#{_e(m["sequence"])}</a>', _agent_link(m["author"]),
+            f'<time datetime="{_e(m["created_at"])}">{_e(m["created_at"])}</time>',
+            f'in <a href="/conversations/{_e(m["conversation_id"])}">conversation</a>']
+    if m.get("reply_to"):
+        meta.append(f'replying to <a href="/messages/{_e(m["reply_to"])}">a message</a>')
+    parts = [f'<article class="message" id="m-{_e(m["id"])}">',
+             f'<div class="meta">{kinds} {" · ".join(meta)}</div>']
+    if "content" in m:
+        parts.append(f'<div class="content">{_e(m["content"])}</div>')
+    if "payload" in m:
+        schema = f'{_e(m["schema_name"])} v{_e(m["schema_version"])}: ' if "schema_name" in m else ""
+        payload = orjson.dumps(m["payload"], option=orjson.OPT_INDENT_2).decode()
+        parts.append(f'<div class="meta">{schema}payload</div><pre>{_e(payload)}</pre>')
+    refs = [f'<a href="/messages?{_e(urlencode({"tag": t}))}">#{_e(t)}</a>' for t in m["tags"]]
+    refs += [_agent_link(x) for x in m["mentions"]]
+    if refs:
+        parts.append(f'<div class="meta">{" ".join(refs)}</div>')
+    parts.append("</article>")
+    return "".join(parts)
+
+
+def _html_conversation_row(c: dict[str, Any]) -> str:
+    return (f'<tr><td><a href="/conversations/{_e(c["id"])}">{_e(c["subject"])}</a></td>'
+            f'<td>{_agent_link(c["author"])}</td><td>{_e(c["message_count"])}</td>'
+            f'<td>{_e(c["last_sequence"])}</td></tr>')
+
+
+def _html_agent_row(a: dict[str, Any]) -> str:
+    act = a["activity"]
+    last = "" if act["last_sequence"] is None else act["last_sequence"]
+    return (f'<tr><td>{_agent_link(a)}</td><td>{_e(a.get("description", ""))}</td>'
+            f'<td>{_e(act["message_count"])}</td><td>{_e(act["conversation_count"])}</td><td>{_e(last)}</td></tr>')
+
+
+def _html_relationship_row(r: dict[str, Any]) -> str:
+    return (f'<tr><td><a href="/messages/{_e(r["source_message_id"])}">source</a></td><td>{_e(r["type"])}</td>'
+            f'<td><a href="/messages/{_e(r["target_message_id"])}">target</a></td><td>{_agent_link(r["author"])}</td>'
+            f'<td>{"retracted" if r["retracted"] else "active"}</td></tr>')
+
+
+def _html_tag_row(t: dict[str, Any]) -> str:
+    return (f'<tr><td><a href="/messages?{_e(urlencode({"tag": t["tag"]}))}">#{_e(t["tag"])}</a></td>'
+            f'<td>{_e(t["count"])}</td><td>{_e(t["conversation_count"])}</td></tr>')
+
+
+_TABLES: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], str]]] = {
+    "conversation": (("subject", "author", "messages", "last sequence"), _html_conversation_row),
+    "agent": (("name", "description", "messages", "conversations", "last sequence"), _html_agent_row),
+    "relationship": (("source", "type", "target", "author", "state"), _html_relationship_row),
+    "tag": (("tag", "messages", "conversations"), _html_tag_row),
+}
+
+
+def _table(kind: str, items: list[dict[str, Any]]) -> str:
+    heads, row = _TABLES[kind]
+    return ("<table><thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in heads) + "</tr></thead><tbody>"
+            + "".join(row(i) for i in items) + "</tbody></table>")
+
+
+def _pager(prev: str | None, next_: str | None) -> str:
+    links = []
+    if prev:
+        links.append(f'<a rel="prev" href="{_e(prev)}">← previous</a>')
+    if next_:
+        links.append(f'<a rel="next" href="{_e(next_)}">next →</a>')
+    return f'<nav class="pager">{"".join(links)}</nav>' if links else ""
+
+
+def _html_body(doc: Document) -> str:
+    body = doc.body
+    if doc.kind == "conversation" and not doc.collection:
+        c = body["conversation"]
+        head = (f'<p class="meta">started by {_agent_link(c["author"])} · {_e(c["message_count"])} messages · '
+                f'created at sequence {_e(c["created_sequence"])}</p>')
+        items = "".join(_html_message(m) for m in body["messages"]) or "<p>No messages on this page.</p>"
+        return head + items + _pager(None, body.get("next"))
+    if doc.kind == "message" and not doc.collection:
+        return _html_message(body)
+    if doc.kind == "agent" and not doc.collection:
+        return _table("agent", [body]) + (
+            f'<p><a href="/messages?{_e(urlencode({"author": body["name"]}))}">Messages by this agent</a></p>')
+    total = f'<p class="meta">{_e(body["total"])} in all.</p>' if "total" in body else ""
+    if doc.kind == "message":
+        items = "".join(_html_message(m) for m in body["items"])
+    elif doc.kind == "search":
+        items = "".join(_html_message(h["message"]) for h in body["items"])
+    else:
+        items = _table(doc.kind, body["items"]) if body["items"] else ""
+    return total + (items or "<p>Nothing here.</p>") + _pager(body.get("prev"), body.get("next"))
+
+
+def to_html(doc: Document, nonce: str) -> str:
+    """A complete HTML5 page for ``doc``: escaped throughout, no script, style by nonce."""
+    nav = "".join(f'<a href="{href}">{name}</a>' for name, href in (
+        ("Home", "/"), ("Conversations", "/conversations"), ("Messages", "/messages"), ("Agents", "/agents"),
+        ("Tags", "/tags"), ("Guide", "/guide")))
+    search = ('<form method="get" action="/search" role="search"><input type="search" name="q" '
+              'aria-label="Search messages" placeholder="Search messages"> <button>Search</button></form>')
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{_e(doc.title)} · ToastMachine</title>
+<style nonce="{_e(nonce)}">{_STYLE}</style>
+</head>
+<body>
+<nav class="top">{nav}{search}</nav>
+<main>
+<h1>{_e(doc.title)}</h1>
+{_html_body(doc)}
+</main>
+</body>
+</html>
+"""
