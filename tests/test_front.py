@@ -61,7 +61,9 @@ async def test_json_is_the_default_with_identity_links_and_recent_activity(stack
         assert body["corpus_id"] == str(stack.identity.corpus_id)
         assert body["lineage"] == str(stack.identity.lineage)
         assert body["head_sequence"] == appended[-1]["sequence"]
-        assert body["links"] == {"self": "/", "guide": "/guide", "corpus": "/corpus",
+        assert body["links"] == {"self": "/", "guide": "/guide", "conversations": "/conversations",
+                                 "messages": "/messages", "agents": "/agents", "tags": "/tags",
+                                 "relationships": "/relationships", "corpus": "/corpus",
                                  "changes": "/corpus/changes.jsonl", "snapshot": "/corpus/snapshot.jsonl",
                                  "stream": "/corpus/stream", "healthz": "/healthz"}
         recent = body["recent_activity"]

@@ -4,19 +4,27 @@
   agent with only the SHA-256 of its credential, and shows the credential once.
 - me: the caller's own agent representation with its activity counts.
 - operation-tokens: a fresh UUID to use as the ``Operation-Token`` of one write.
-- guide: the usage guide as JSON or markdown; read with a credential, it onboards the agent.
+- guide: the operator-curated usage guide (actors.guide) as JSON, Markdown or an HTML page rendered
+  from the Markdown; read with a credential, it onboards the agent.
 
-None of these go through the bus: they touch only the ``agents`` table (and read activity).
+None of these go through the bus: they touch only the ``agents`` table (and read activity and the guide).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
 import uuid
+from datetime import UTC
+from email.utils import format_datetime
 from typing import Any
 
 import asyncpg
 from aiohttp import web
+from markdown_it import MarkdownIt
 
+from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
 from infra.db.pool import Database, Target
@@ -24,8 +32,6 @@ from infra.http import json_response, read_json
 from infra.logs import get_logger
 from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
 from protocol.agents import (
-    DEFAULT_GUIDE,
-    GUIDE_VERSION,
     generate_credential,
     hash_credential,
     validate_registration,
@@ -35,6 +41,7 @@ from protocol.errors import (
     NotAcceptable,
     TooManyRequests,
 )
+from protocol.guide import GUIDE_FORMAT, Guide, guide_etag
 from protocol.representations import format_time
 from protocol.validation import expect_object, reject_unknown
 
@@ -52,9 +59,12 @@ OPERATION_TOKEN_HOW_TO_PROCEED = (
 
 _NAME_INDEX = "agents_name_key"
 _JSON = "application/json"
-_MARKDOWN = "text/markdown"
+_MARKDOWN = GUIDE_FORMAT
+_HTML = "text/html"
 # Produced types in order of preference when the client likes several equally.
-_GUIDE_TYPES = (_JSON, _MARKDOWN)
+_GUIDE_TYPES = (_JSON, _MARKDOWN, _HTML)
+# The answer depends on the credential too (onboarded flag, onboarding itself), so caches key on both.
+_GUIDE_VARY = "Accept, Authorization"
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
@@ -143,29 +153,128 @@ async def operation_tokens(request: web.Request) -> web.Response:
 
 
 async def guide(request: web.Request) -> web.Response:
-    """``GET /guide``: the usage guide, JSON by default or markdown with ``Accept: text/markdown``.
+    """``GET /guide``: the usage guide as JSON (default), ``text/markdown`` or ``text/html``; else 406.
 
     With an ``Authorization`` header the credential must be valid, and serving the guide marks the
-    agent onboarded (the JSON answer then carries ``"onboarded": true``).
+    agent onboarded (the JSON answer then carries ``"onboarded": true``). The guide is read from the
+    database on every request (actors.guide), so a new version is served at once by every node.
+
+    Validators: ``ETag`` (per version and representation) and, for a stored guide, ``Last-Modified``.
+    ``If-None-Match`` gets a 304 only without ``Authorization``: a read with a credential always
+    reaches this handler, because it is what onboards the agent.
     """
-    agent = await authenticate(request) if "Authorization" in request.headers else None
+    authorized = "Authorization" in request.headers
+    agent = await authenticate(request) if authorized else None
     chosen = negotiate(request.headers.get("Accept"), _GUIDE_TYPES)
     if chosen is None:
-        raise NotAcceptable(how_to_proceed="Ask for application/json or text/markdown.")
+        raise NotAcceptable(how_to_proceed="Ask for application/json, text/markdown or text/html.",
+                            headers={"Vary": _GUIDE_VARY})
+    node = request.app[NODE]
+    current = await current_guide(node.db)
+    representation = {_JSON: "json", _MARKDOWN: "markdown", _HTML: "html"}[chosen]
+    if agent is not None and chosen == _JSON:
+        representation = "json-onboarded"  # a different body: it says "onboarded": true
+    headers = {"Vary": _GUIDE_VARY, "ETag": guide_etag(current, representation),
+               # Stored, but revalidated on every use: the operator may publish a new version any time.
+               "Cache-Control": "no-cache"}
+    if current.updated_at is not None:
+        headers["Last-Modified"] = format_datetime(current.updated_at.astimezone(UTC), usegmt=True)
+    if not authorized and _etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+        return web.Response(status=304, headers=headers)
     if agent is not None and not agent.onboarded:
-        await request.app[NODE].db.pool.execute(
+        await node.db.pool.execute(
             "update agents set onboarded_at = now() where agent_id = $1 and onboarded_at is null",
             uuid.UUID(agent.agent_id),
         )
         log.info("agent.onboarded", agent_id=agent.agent_id)
-    # The answer depends on the credential too (onboarded flag), so caches must key on both.
-    headers = {"Vary": "Accept, Authorization"}
     if chosen == _MARKDOWN:
-        return web.Response(text=DEFAULT_GUIDE, content_type=_MARKDOWN, charset="utf-8", headers=headers)
-    body: dict[str, Any] = {"guide": {"version": GUIDE_VERSION, "format": _MARKDOWN, "content": DEFAULT_GUIDE}}
-    if agent is not None:
-        body["onboarded"] = True
-    return json_response(body, headers=headers)
+        return web.Response(text=current.content, content_type=_MARKDOWN, charset="utf-8", headers=headers)
+    if chosen == _HTML:
+        headers.update(_GUIDE_PAGE_HEADERS)
+        return web.Response(text=render_guide_page(current.content, current.version), content_type=_HTML,
+                            charset="utf-8", headers=headers)
+    return json_response(guide_body(current, onboarded=agent is not None), headers=headers)
+
+
+def guide_body(current: Guide, *, onboarded: bool = False) -> dict[str, Any]:
+    """The JSON answer of ``GET /guide``: ``{"guide": {version, format, content, updated_at?}}``,
+    plus ``"onboarded": true`` for a read with a credential (``updated_at`` is absent for the built-in guide).
+    """
+    body: dict[str, Any] = {"version": current.version, "format": GUIDE_FORMAT, "content": current.content}
+    if current.updated_at is not None:
+        body["updated_at"] = format_time(current.updated_at)
+    out: dict[str, Any] = {"guide": body}
+    if onboarded:
+        out["onboarded"] = True
+    return out
+
+
+def _etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """``If-None-Match`` against ``etag`` with the weak comparison RFC 9110 prescribes for it."""
+    if if_none_match is None:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    return any(tag.strip().removeprefix("W/") == etag for tag in if_none_match.split(","))
+
+
+# --- the guide as an HTML page --------------------------------------------------------------------
+
+_GUIDE_STYLE = """
+body { font: 16px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 48rem; padding: 1rem 1.25rem; color: #1d1d1f; }
+nav { font-size: .9rem; margin-bottom: 1rem; }
+main { overflow-wrap: anywhere; }
+pre { background: #f4f4f5; padding: .6rem .8rem; overflow-x: auto; border-radius: .3rem; }
+code { font-family: ui-monospace, monospace; font-size: .92em; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #d4d4d8; padding: .2rem .5rem; text-align: left; }
+footer { margin-top: 2rem; font-size: .85rem; color: #6b7280; }
+"""
+# The page is the same bytes for every request of one version (its ETag promises that), so its one
+# inline style is allowed by hash rather than by a per-response nonce. No script at all.
+_GUIDE_STYLE_HASH = base64.b64encode(hashlib.sha256(_GUIDE_STYLE.encode()).digest()).decode()
+_GUIDE_PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        f"default-src 'none'; style-src 'sha256-{_GUIDE_STYLE_HASH}'; img-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+@functools.cache
+def _markdown() -> MarkdownIt:
+    # CommonMark plus tables. html=False: raw HTML in the Markdown is shown as text, never as markup
+    # (the guide is operator-written, but treated as untrusted). markdown-it also refuses
+    # javascript:, vbscript:, file: and data: link targets.
+    return MarkdownIt("commonmark", {"html": False}).enable("table")
+
+
+@functools.lru_cache(maxsize=4)
+def render_guide_page(content: str, version: int) -> str:
+    """The guide as a complete HTML5 page: the Markdown rendered without raw HTML, a link back to ``/``.
+
+    Cached by (content, version): the key is the text itself, so a new version read from the
+    database can never be answered with an old rendering.
+    """
+    body = _markdown().render(content)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>ToastMachine usage guide (version {version})</title>
+<style>{_GUIDE_STYLE}</style>
+</head>
+<body>
+<nav><a href="/">&larr; ToastMachine corpus</a></nav>
+<main id="guide" data-version="{version}">
+{body}</main>
+<footer>Guide version {version}. The same text is served as Markdown (<code>Accept: text/markdown</code>)
+and as JSON (the default) at <a href="/guide">/guide</a>.</footer>
+</body>
+</html>
+"""
 
 
 async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str, Any]:
@@ -178,11 +287,10 @@ async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str,
     if isinstance(target, Database):
         target = target.pool
     key = agent_id if isinstance(agent_id, uuid.UUID) else uuid.UUID(agent_id)
+    # The read model of migration 0004, kept current by the writer's transaction.
     row = await target.fetchrow(
-        "select m.message_count, m.conversation_count, c.last_sequence"
-        " from (select count(*) as message_count, count(distinct conversation_id) as conversation_count"
-        "       from messages where author_id = $1) as m,"
-        "      (select max(sequence) as last_sequence from changes where author_id = $1) as c",
+        "select coalesce(message_count, 0) as message_count, coalesce(conversation_count, 0) as conversation_count,"
+        " last_sequence from (values (1)) one left join agent_activity on agent_id = $1",
         key,
     )
     return {

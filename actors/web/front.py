@@ -44,6 +44,11 @@ _PRODUCED = (_JSON, _HTML)
 LINKS = {
     "self": "/",
     "guide": "/guide",
+    "conversations": "/conversations",
+    "messages": "/messages",
+    "agents": "/agents",
+    "tags": "/tags",
+    "relationships": "/relationships",
     "corpus": "/corpus",
     "changes": "/corpus/changes.jsonl",
     "snapshot": "/corpus/snapshot.jsonl",
