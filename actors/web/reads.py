@@ -13,6 +13,7 @@ the last shown sequence (also in ``X-Next-Cursor``); an offset page's ``next`` t
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -108,10 +109,20 @@ def _message_filters(q: Query, where: _Where, values: dict[str, Any]) -> None:
     values.update(conversation=conversation, author=author, kinds=kinds, tag=tag, mention=mention)
 
 
-async def list_messages(request: web.Request) -> web.Response:
-    """``GET /messages``: messages in sequence order, filtered; newest first unless ``after`` is given."""
-    media = choose(request, BROWSABLE_TYPES)
-    q = Query(request.query, _MESSAGE_PARAMS)
+@dataclass(slots=True)
+class Plan:
+    """One read's SQL and parameters, plus what its page and links need: built from the query alone,
+    so a benchmark can run exactly the route's statement through plain asyncpg."""
+
+    sql: str
+    params: list[Any]
+    limit: int
+    offset: int | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_messages(q: Query) -> Plan:
+    """``GET /messages``: filters, then sequence paging (see the module docstring for the rules)."""
     where, values = _Where(), dict[str, Any]()
     _message_filters(q, where, values)
     after, before = q.sequence("after"), q.sequence("before")
@@ -130,7 +141,18 @@ async def list_messages(request: web.Request) -> web.Response:
         where.add("f.sequence < {}", before)
     sql = (f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM}{where.sql} order by f.sequence {order}"
            f" limit {where.param(limit + 1)} offset {where.param(offset or 0)}")
-    fetched = await request.app[NODE].db.pool.fetch(sql, *where.params)
+    values.update(after=after, before=before, order=order)
+    return Plan(sql, where.params, limit, offset, values)
+
+
+async def list_messages(request: web.Request) -> web.Response:
+    """``GET /messages``: messages in sequence order, filtered; newest first unless ``after`` is given."""
+    media = choose(request, BROWSABLE_TYPES)
+    q = Query(request.query, _MESSAGE_PARAMS)
+    plan = plan_messages(q)
+    limit, offset, values = plan.limit, plan.offset, plan.values
+    after, before, order = values.pop("after"), values.pop("before"), values.pop("order")
+    fetched = await request.app[NODE].db.pool.fetch(plan.sql, *plan.params)
     page, more = _page(fetched, limit)
     items = [rows.message(r) for r in page]
     query = {**values, "after": after, "before": before, "order": q.raw("order"), "limit": q.raw("limit")}
@@ -174,10 +196,8 @@ _Q_MAX = 500
 _TSQUERY = "(websearch_to_tsquery('english', {0}) || websearch_to_tsquery('simple', {0}))"
 
 
-async def search(request: web.Request) -> web.Response:
-    """``GET /search?q=``: full-text search, best match first, with the message filters."""
-    media = choose(request, BROWSABLE_TYPES)
-    q = Query(request.query, _SEARCH_PARAMS)
+def plan_search(q: Query) -> Plan:
+    """``GET /search``: matches of both dictionaries' queries, ranked, with the message filters."""
     text = q.text("q", max_length=_Q_MAX, strip=True)
     if text is None:
         raise invalid("q", "'q' is required.", 'Send q=<words>, e.g. q=retry "operation token" -timeout.')
@@ -196,7 +216,16 @@ async def search(request: web.Request) -> web.Response:
            f" from total left join page on true"
            f" left join messages m on m.id = page.message_id left join agents a on a.agent_id = m.author_id"
            f" order by page.rank desc, page.sequence desc")
-    fetched = await request.app[NODE].db.pool.fetch(sql, *where.params)
+    return Plan(sql, where.params, limit, offset, values)
+
+
+async def search(request: web.Request) -> web.Response:
+    """``GET /search?q=``: full-text search, best match first, with the message filters."""
+    media = choose(request, BROWSABLE_TYPES)
+    q = Query(request.query, _SEARCH_PARAMS)
+    plan = plan_search(q)
+    limit, offset, values, text = plan.limit, plan.offset or 0, plan.values, plan.values["q"]
+    fetched = await request.app[NODE].db.pool.fetch(plan.sql, *plan.params)
     total = fetched[0]["total"] if fetched else 0
     page, more = _page([r for r in fetched if r["id"] is not None], limit)
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]
@@ -248,6 +277,12 @@ async def list_conversations(request: web.Request) -> web.Response:
                                      cursor=cursor), media)
 
 
+#: ``GET /conversations/{id}``: the conversation ($1), then a page of its messages after $2, $3 rows.
+CONVERSATION_SQL = f"select {rows.CONVERSATION_COLUMNS}{rows.CONVERSATION_FROM} where c.id = $1"
+CONVERSATION_MESSAGES_SQL = (f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM}"
+                             " where f.conversation_id = $1 and f.sequence > $2 order by f.sequence limit $3")
+
+
 async def get_conversation(request: web.Request) -> web.Response:
     """``GET /conversations/{id}``: the conversation and a page of its messages, oldest first."""
     media = choose(request, BROWSABLE_TYPES)
@@ -256,14 +291,11 @@ async def get_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_uuid(request, "conversation")
     async with request.app[NODE].db.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
                                                                               readonly=True):
-        head = await conn.fetchrow(f"select {rows.CONVERSATION_COLUMNS}{rows.CONVERSATION_FROM} where c.id = $1",
-                                   conversation_id)
+        head = await conn.fetchrow(CONVERSATION_SQL, conversation_id)
         if head is None:
             raise NotFound(f"There is no conversation {conversation_id}.", code="conversation_not_found",
                            how_to_proceed="Check the id; GET /conversations lists conversations.")
-        fetched = await conn.fetch(
-            f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM} where f.conversation_id = $1 and f.sequence > $2"
-            " order by f.sequence limit $3", conversation_id, after or 0, limit + 1)
+        fetched = await conn.fetch(CONVERSATION_MESSAGES_SQL, conversation_id, after or 0, limit + 1)
     page, more = _page(fetched, limit)
     cursor = page[-1]["sequence"] if more else None
     path = f"/conversations/{conversation_id}"
@@ -284,10 +316,8 @@ _TAG_SORTS = {
 }
 
 
-async def list_tags(request: web.Request) -> web.Response:
-    """``GET /tags``: tag statistics, exact ``tag`` or literal ``prefix``, sorted, thresholded, counted."""
-    media = choose(request, DATA_TYPES)
-    q = Query(request.query, _TAG_PARAMS)
+def plan_tags(q: Query) -> Plan:
+    """``GET /tags``: name filters before aggregation, thresholds after, total before paging."""
     if q.has("tag") and q.has("prefix"):
         raise invalid("prefix", "'tag' and 'prefix' cannot be combined.",
                       "Send tag=<exact name> for one tag, or prefix=<start> for every tag that starts with it.")
@@ -310,12 +340,20 @@ async def list_tags(request: web.Request) -> web.Response:
            f" select (select count(*) from selected) as total, page.* from (values (1)) as one left join lateral"
            f" (select * from selected order by {_TAG_SORTS[sort]}"
            f" limit {where.param(limit)} offset {where.param(offset)}) as page on true")
-    fetched = await request.app[NODE].db.pool.fetch(sql, *where.params)
+    values = {"tag": tag, "prefix": prefix, "sort": q.raw("sort"), "min_count": min_count,
+              "min_conversation_count": min_conversations, "limit": q.raw("limit")}
+    return Plan(sql, where.params, limit, offset, values)
+
+
+async def list_tags(request: web.Request) -> web.Response:
+    """``GET /tags``: tag statistics, exact ``tag`` or literal ``prefix``, sorted, thresholded, counted."""
+    media = choose(request, DATA_TYPES)
+    plan = plan_tags(Query(request.query, _TAG_PARAMS))
+    limit, offset, query = plan.limit, plan.offset or 0, plan.values
+    fetched = await request.app[NODE].db.pool.fetch(plan.sql, *plan.params)
     total = fetched[0]["total"]
     items = [{"tag": r["tag"], "count": r["message_count"], "conversation_count": r["conversation_count"]}
              for r in fetched if r["tag"] is not None]
-    query = {"tag": tag, "prefix": prefix, "sort": q.raw("sort"), "min_count": min_count,
-             "min_conversation_count": min_conversations, "limit": q.raw("limit")}
     links = _offset_links("/tags", query, offset, limit, offset + limit < total)
     body = {"items": items, "total": total, "next": links["next"], "prev": links["prev"]}
     # Offset pages over live counts are not a snapshot: nothing may cache them (the seed's contract).
