@@ -342,7 +342,7 @@ def _vary(headers: Mapping[str, str]) -> set[str]:
 
 
 async def test_guide_is_json_by_default(client: TestClient) -> None:
-    for accept in (None, "application/json", "*/*", "application/*", "text/html,application/xhtml+xml,*/*;q=0.8"):
+    for accept in (None, "application/json", "*/*", "application/*", "text/html;q=0.5, application/json"):
         resp = await client.get("/guide", headers={"Accept": accept} if accept else {})
         assert resp.status == 200, accept
         assert resp.content_type == "application/json", accept
@@ -366,8 +366,8 @@ async def test_guide_as_markdown(client: TestClient) -> None:
 
 
 async def test_guide_in_anything_else_is_406(client: TestClient) -> None:
-    for accept in ("text/html", "application/xml", "image/png, text/plain",
-                   "application/json;q=0, text/markdown;q=0", "nonsense"):
+    for accept in ("application/xml", "image/png, text/plain", "text/plain",
+                   "application/json;q=0, text/markdown;q=0, text/html;q=0", "nonsense"):
         resp = await client.get("/guide", headers={"Accept": accept})
         assert resp.status == 406, accept
         _assert_error(await resp.json(), "not_acceptable")
@@ -379,7 +379,7 @@ async def test_reading_the_guide_with_a_credential_onboards(client: TestClient, 
 
     # Anonymous reads and refused negotiations onboard nobody.
     assert "onboarded" not in await (await client.get("/guide")).json()
-    assert (await client.get("/guide", headers={**_bearer(reg["credential"]), "Accept": "text/html"})).status == 406
+    assert (await client.get("/guide", headers={**_bearer(reg["credential"]), "Accept": "text/plain"})).status == 406
     assert await db.pool.fetchval("select onboarded_at from agents where agent_id = $1", agent_id) is None
 
     # A bad credential is refused, not ignored.

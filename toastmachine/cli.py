@@ -1,4 +1,4 @@
-"""The ``toastmachine`` command line: up, web, run ACTOR, migrate, doctor.
+"""The ``toastmachine`` command line: up, web, run ACTOR, migrate, doctor, guide set|show|reset, dev seed.
 
 Exit codes: 0 success, 1 a service failed or shutdown missed its deadline, 2 bad configuration
 or usage.
@@ -165,6 +165,119 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# --- guide: the operator-curated usage guide served by GET /guide ---------------------------------
+
+
+def _guide_refused(source: str, reason: str) -> int:
+    print(f"toastmachine: guide not changed: {source}: {reason}", file=sys.stderr)
+    return 2
+
+
+def cmd_guide_set(settings: Settings, args: argparse.Namespace) -> int:
+    """Store FILE (UTF-8 Markdown; '-' reads stdin) as the guide GET /guide serves, as a new version."""
+    from actors.guide import store_guide
+    from protocol.guide import GUIDE_MAX_CHARS, GuideRejected, parse_guide_file
+
+    source = "stdin" if args.file == "-" else args.file
+    # A guide of the longest kind is GUIDE_MAX_CHARS characters of 4 UTF-8 bytes, plus a byte-order mark:
+    # read one byte past that, so an endless stream or a huge file is refused without reading it all.
+    most = 4 * GUIDE_MAX_CHARS + 3
+    try:
+        if args.file == "-":
+            data = sys.stdin.buffer.read(most + 1)
+        else:
+            with open(args.file, "rb") as f:
+                data = f.read(most + 1)
+    except OSError as e:
+        return _guide_refused(source, e.strerror or type(e).__name__)
+    try:
+        if len(data) > most:
+            raise GuideRejected(f"the file is larger than {most:,} bytes; a guide may have at most "
+                                f"{GUIDE_MAX_CHARS:,} characters")
+        content = parse_guide_file(data)
+    except GuideRejected as e:
+        return _guide_refused(source, str(e))
+
+    async def go() -> int:
+        async with open_database(settings) as (db, _embedded, _label):
+            return (await store_guide(db, content)).version
+
+    version = asyncio.run(go())
+    _print(f"guide version {version} stored ({len(content):,} characters); GET /guide serves it now")
+    return 0
+
+
+def cmd_guide_show(settings: Settings, args: argparse.Namespace) -> int:
+    """Print the guide GET /guide serves now (its Markdown) to stdout; its version goes to stderr."""
+    from actors.guide import current_guide
+
+    async def go() -> tuple[str, int, bool]:
+        async with open_database(settings) as (db, _embedded, _label):
+            guide = await current_guide(db)
+            return guide.content, guide.version, guide.builtin
+
+    content, version, builtin = asyncio.run(go())
+    print(f"guide version {version}" + (" (the built-in guide)" if builtin else ""), file=sys.stderr, flush=True)
+    # The exact stored text, byte for byte: 'guide show > f && guide set f' stores the same text.
+    sys.stdout.buffer.write(content.encode("utf-8"))
+    sys.stdout.buffer.flush()
+    return 0
+
+
+def cmd_guide_reset(settings: Settings, args: argparse.Namespace) -> int:
+    """Serve the built-in guide again, as a new version (versions never go backwards)."""
+    from actors.guide import reset_guide
+
+    async def go() -> int:
+        async with open_database(settings) as (db, _embedded, _label):
+            return (await reset_guide(db)).version
+
+    version = asyncio.run(go())
+    _print(f"guide version {version} stored: the built-in guide; GET /guide serves it now")
+    return 0
+
+
+# --- dev: tools for developers (generated data for benchmarks and demos) -----------------------------
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def cmd_dev_seed(settings: Settings, args: argparse.Namespace) -> int:
+    """Add generated agents, conversations, messages and relationships, with their change history."""
+    from infra.db import ensure_identity
+    from toastmachine.seed import DEFAULT_RANDOM_SEED, SeedProgress, seed_corpus
+
+    random_seed = DEFAULT_RANDOM_SEED if args.random_seed is None else args.random_seed
+
+    def progress(p: SeedProgress) -> None:
+        _print(f"  {p.messages:,}/{p.total_messages:,} messages, {p.changes:,} changes, {p.seconds:.1f} s")
+
+    async def go() -> int:
+        async with open_database(settings) as (db, _embedded, label):
+            # As a node starts: a configured identity must match the witness row (created if missing).
+            await ensure_identity(db, settings.corpus_id, settings.lineage)
+            _print(f"seeding {label}: {args.messages:,} messages, random seed {random_seed}")
+            report = await seed_corpus(db, messages=args.messages, agents=args.agents, random_seed=random_seed,
+                                       progress=progress)
+            _print(report.summary())
+        return 0
+
+    return _run(go())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="toastmachine",
@@ -177,6 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     sub.add_parser("migrate", help=cmd_migrate.__doc__).set_defaults(func=cmd_migrate)
     sub.add_parser("doctor", help=cmd_doctor.__doc__).set_defaults(func=cmd_doctor)
+    dev = sub.add_parser("dev", help="developer tools: generated data for benchmarks and demos")
+    dev_sub = dev.add_subparsers(dest="dev_command", required=True, metavar="TOOL")
+    seed = dev_sub.add_parser("seed", help=cmd_dev_seed.__doc__)
+    seed.add_argument("--messages", type=_at_least(1), required=True, metavar="N", help="messages to add")
+    seed.add_argument("--agents", type=_at_least(2), default=None, metavar="K",
+                      help="new agents writing them (default: one per 200 messages, at least 5)")
+    seed.add_argument("--random-seed", type=int, default=None, metavar="S",
+                      help="makes the generated text and structure repeatable (default: a fixed seed)")
+    seed.set_defaults(func=cmd_dev_seed)
+    guide = sub.add_parser("guide", help="curate the usage guide served by GET /guide (no agent can change it)")
+    guide_sub = guide.add_subparsers(dest="guide_command", required=True, metavar="ACTION")
+    guide_set = guide_sub.add_parser("set", help=cmd_guide_set.__doc__)
+    guide_set.add_argument("file", metavar="FILE", help="a UTF-8 Markdown file, or '-' for stdin")
+    guide_set.set_defaults(func=cmd_guide_set)
+    guide_sub.add_parser("show", help=cmd_guide_show.__doc__).set_defaults(func=cmd_guide_show)
+    guide_sub.add_parser("reset", help=cmd_guide_reset.__doc__).set_defaults(func=cmd_guide_reset)
     return parser
 
 
