@@ -208,7 +208,7 @@ async def serve_front(dsn: str) -> None:
 
     configure_logging(level="warning")  # stdout carries the port line
     settings = Settings.from_env({})
-    db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size)
+    db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size, custom_plans=True)
     bus = make_bus(None)
     await bus.connect()
     identity = await ensure_identity(db, None, None)
@@ -251,7 +251,7 @@ async def front(dsn: str, mode: str) -> AsyncIterator[str]:
     from toastmachine.node import Node
 
     settings = Settings.from_env({})
-    db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size)
+    db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size, custom_plans=True)
     bus = make_bus(None)
     await bus.connect()
     identity = await ensure_identity(db, None, None)

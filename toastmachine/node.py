@@ -65,8 +65,12 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def open_database(settings: Settings) -> AsyncIterator[tuple[Database, EmbeddedPostgres | None, str]]:
-    """Connect to DATABASE_URL, or start the embedded PostgreSQL under DATA_DIR; migrate; yield."""
+async def open_database(settings: Settings, *, custom_plans: bool = False,
+                        ) -> AsyncIterator[tuple[Database, EmbeddedPostgres | None, str]]:
+    """Connect to DATABASE_URL, or start the embedded PostgreSQL under DATA_DIR; migrate; yield.
+
+    ``custom_plans``: see :meth:`Database.connect` (processes that serve the read routes want it).
+    """
     embedded: EmbeddedPostgres | None = None
     if settings.database_url is None:
         embedded = await start_embedded(settings.data_dir)
@@ -74,7 +78,7 @@ async def open_database(settings: Settings) -> AsyncIterator[tuple[Database, Emb
     else:
         dsn, label = settings.database_url, redact_url(settings.database_url)
     try:
-        db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size)
+        db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size, custom_plans=custom_plans)
         try:
             applied = await apply_migrations(db)
             if applied:
@@ -88,7 +92,7 @@ async def open_database(settings: Settings) -> AsyncIterator[tuple[Database, Emb
 
 
 @contextlib.asynccontextmanager
-async def open_node(settings: Settings, *, allow_memory_bus: bool) -> AsyncIterator[Node]:
+async def open_node(settings: Settings, *, allow_memory_bus: bool, web: bool = False) -> AsyncIterator[Node]:
     """Connect the database and the bus for one process and check the corpus identity.
 
     Raises ConfigError when no AMQP_URL is set and the in-process bus is not allowed here,
@@ -99,7 +103,7 @@ async def open_node(settings: Settings, *, allow_memory_bus: bool) -> AsyncItera
             "TOASTMACHINE_AMQP_URL is not set: processes of a multi-process node talk over RabbitMQ. "
             "Set it (e.g. amqp://guest:guest@127.0.0.1:5672/), or run everything in one process with "
             "'toastmachine up', which uses the in-process bus.")
-    async with open_database(settings) as (db, embedded, label):
+    async with open_database(settings, custom_plans=web) as (db, embedded, label):
         identity: CorpusIdentity | None = None
         identity_error: LineageMismatch | None = None
         try:
@@ -149,7 +153,7 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
-        async with open_node(settings, allow_memory_bus=allow_memory_bus) as node:
+        async with open_node(settings, allow_memory_bus=allow_memory_bus, web=web) as node:
             supervisor = Supervisor(actor_factories(node, actors, web=web))
             node.supervisor = supervisor
             start = asyncio.create_task(supervisor.start(wait=60))

@@ -89,23 +89,24 @@ _MESSAGE_PARAMS = (*_MESSAGE_FILTERS, "after", "before", "order", "limit", "offs
 _TAG_MAX = 200
 
 
-def _message_filters(q: Query, where: _Where, values: dict[str, Any]) -> None:
-    """The filters shared by ``/messages`` and ``/search`` (on ``message_feed f``)."""
+def _message_filters(q: Query, where: _Where, values: dict[str, Any], alias: str = "f") -> None:
+    """The filters shared by ``/messages`` and ``/search``, on ``message_feed f`` or ``messages m``
+    (both carry the filtered columns under the same names)."""
     conversation = q.uuid("conversation")
     author = q.agent_name("author")
     kinds = q.kinds("kinds")
     tag = q.text("tag", max_length=_TAG_MAX)
     mention = q.agent_name("mention")
     if conversation is not None:
-        where.add("f.conversation_id = {}", conversation)
+        where.add(f"{alias}.conversation_id = {{}}", conversation)
     if author is not None:
-        where.add("f.author_id = " + _AGENT_BY_NAME, author)
+        where.add(f"{alias}.author_id = " + _AGENT_BY_NAME, author)
     if kinds is not None:
-        where.add("f.kinds && {}::text[]", list(kinds))
+        where.add(f"{alias}.kinds && {{}}::text[]", list(kinds))
     if tag is not None:
-        where.add("f.tags @> array[{}]::text[]", tag)
+        where.add(f"{alias}.tags @> array[{{}}]::text[]", tag)
     if mention is not None:
-        where.add("f.mention_ids @> array[" + _AGENT_BY_NAME + "]", mention)
+        where.add(f"{alias}.mention_ids @> array[" + _AGENT_BY_NAME + "]", mention)
     values.update(conversation=conversation, author=author, kinds=kinds, tag=tag, mention=mention)
 
 
@@ -202,20 +203,23 @@ def plan_search(q: Query) -> Plan:
     if text is None:
         raise invalid("q", "'q' is required.", 'Send q=<words>, e.g. q=retry "operation token" -timeout.')
     where, values = _Where(), {"q": text}
-    _message_filters(q, where, values)
+    _message_filters(q, where, values, alias="m")
     limit, offset = q.limit(), q.offset() or 0
+    # The query expression is written out where it is used (not taken from a subquery), so the
+    # planner sees a stable expression of a parameter and searches the GIN index with it. Every
+    # match is ranked (that is what ordering by relevance costs); only the page's rows are joined
+    # to their sequence, author and mentions.
     query_sql = _TSQUERY.format(where.param(text))
-    where.add("m.search @@ q.query")
-    sql = (f"with hits as (select f.sequence, f.message_id, ts_rank_cd(m.search, q.query) as rank"
-           f" from (select {query_sql} as query) as q, message_feed f join messages m on m.id = f.message_id"
-           f"{where.sql}),"
-           f" total as (select count(*) as total from hits),"
-           f" page as (select * from hits order by rank desc, sequence desc"
+    where.add(f"m.search @@ {query_sql}")
+    sql = (f"with hits as (select m.id, m.created_at, ts_rank_cd(m.search, {query_sql}) as rank"
+           f" from messages m{where.sql}),"
+           f" page as (select * from hits order by rank desc, created_at desc, id"
            f" limit {where.param(limit + 1)} offset {where.param(offset)})"
-           f" select total.total, page.rank, {rows.MESSAGE_COLUMNS.replace('f.sequence', 'page.sequence')}"
-           f" from total left join page on true"
-           f" left join messages m on m.id = page.message_id left join agents a on a.agent_id = m.author_id"
-           f" order by page.rank desc, page.sequence desc")
+           f" select (select count(*) from hits) as total, page.rank, {rows.MESSAGE_COLUMNS}"
+           f" from (values (1)) as one left join page on true"
+           f" left join messages m on m.id = page.id left join message_feed f on f.message_id = m.id"
+           f" left join agents a on a.agent_id = m.author_id"
+           f" order by page.rank desc, page.created_at desc, page.id")
     return Plan(sql, where.params, limit, offset, values)
 
 

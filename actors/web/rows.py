@@ -12,9 +12,10 @@ from typing import Any
 from protocol import representations as rep
 
 #: The names of a message's mentioned agents, in mention order (``m`` is the messages row).
+#: One primary-key lookup per mention (a join would make the planner hash the whole agents table).
 MENTION_NAMES = (
-    "array(select g.name from unnest(m.mention_ids) with ordinality as u(agent_id, ord)"
-    " join agents g on g.agent_id = u.agent_id order by u.ord) as mention_names")
+    "array(select (select g.name from agents g where g.agent_id = u.agent_id)"
+    " from unnest(m.mention_ids) with ordinality as u(agent_id, ord) order by u.ord) as mention_names")
 
 #: A message with its sequence and names: ``from`` :data:`MESSAGE_FROM` (alias f, m, a).
 MESSAGE_COLUMNS = (

@@ -81,11 +81,17 @@ class Database:
         connect_timeout: float = 10.0,
         command_timeout: float | None = None,
         application_name: str = "toastmachine",
+        custom_plans: bool = False,
     ) -> Database:
         """Open a pool on ``dsn`` and prove it works with ``select 1``.
 
         ``connect_timeout`` bounds the whole start-up (every initial connection plus the probe).
         ``command_timeout`` is asyncpg's default per-statement timeout (None: no limit).
+        ``custom_plans`` plans every execution of a prepared statement with its actual parameters
+        (``plan_cache_mode = force_custom_plan``): the read routes' filters are selective in very
+        different ways (a rare tag or a common one), and a generic plan, chosen after five
+        executions, is then several times slower than the plan for the actual values. The writer's
+        statements do not vary like that and keep the default (no planning per execution).
         Raises DatabaseUnavailable, naming the server with its password masked, when PostgreSQL
         cannot be reached or refuses the connection.
         """
@@ -103,7 +109,8 @@ class Database:
                     command_timeout=command_timeout,
                     init=_init_connection,
                     reset=_keep_session,
-                    server_settings={"application_name": application_name},
+                    server_settings={"application_name": application_name,
+                                     **({"plan_cache_mode": "force_custom_plan"} if custom_plans else {})},
                 )
                 await pool
                 # min_size=0 opens nothing up front; the probe makes "connected" mean it in every case.
