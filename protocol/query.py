@@ -3,7 +3,8 @@
 Every read route declares the parameters it accepts; anything else is a 400 naming the parameter.
 Values are strings on the wire and are checked here, so a handler only ever sees typed values:
 sequences are non-negative integers, limits are 1..1000, kinds are known kinds in canonical order.
-When a parameter is repeated, the first occurrence wins (the rest are ignored), on every route.
+A repeated parameter is a 400 too (``after=1&after=2`` is ambiguous, and guessing would lose or
+repeat data), except where a route's contract says the first occurrence wins (``GET /tags``).
 
 Every error is :class:`~protocol.errors.BadRequest` with code ``invalid_parameter`` and ``field``.
 """
@@ -41,7 +42,7 @@ class Query:
     accessors then parse one parameter each (None when it is absent).
     """
 
-    def __init__(self, params: Mapping[str, str], accepted: Iterable[str]) -> None:
+    def __init__(self, params: Mapping[str, str], accepted: Iterable[str], *, first_wins: bool = False) -> None:
         self.accepted = tuple(accepted)
         self._params = params
         for name in params:
@@ -49,6 +50,8 @@ class Query:
                 listed = ", ".join(self.accepted) if self.accepted else "none"
                 raise invalid(name, f"Unknown query parameter {name!r}.",
                               f"Query parameters accepted here: {listed}.")
+            if not first_wins and _count(params, name) > 1:
+                raise invalid(name, f"Query parameter {name!r} is given more than once.", f"Send {name!r} once.")
 
     def has(self, name: str) -> bool:
         """Whether ``name`` was sent (even empty)."""
@@ -135,6 +138,18 @@ class Query:
                           f"Send a non-empty {name} of at most {max_length} characters.")
         return value
 
+    def choices(self, name: str, allowed: tuple[str, ...]) -> frozenset[str] | None:
+        """A comma-separated set of values from ``allowed`` (empty items ignored; at least one)."""
+        raw = self._params.get(name)
+        if raw is None:
+            return None
+        items = frozenset(v for v in raw.split(",") if v)
+        bad = sorted(items - set(allowed))
+        if not items or bad:
+            raise invalid(name, f"{name!r} has unknown value(s): {', '.join(bad) or '(empty)'}.",
+                          f"Use a comma-separated list of: {', '.join(allowed)}.")
+        return items
+
     def kinds(self, name: str = "kinds") -> tuple[str, ...] | None:
         """A comma-separated, non-empty set of distinct known kinds, in canonical order ("any of")."""
         raw = self._params.get(name)
@@ -148,6 +163,11 @@ class Query:
             raise invalid(name, f"{name!r} has {problem}.",
                           f"Send one or more distinct kinds separated by commas, from: {', '.join(KINDS)}.")
         return tuple(k for k in KINDS if k in parts)
+
+
+def _count(params: Mapping[str, str], name: str) -> int:
+    getall = getattr(params, "getall", None)  # a MultiDict (aiohttp's request.query) can repeat keys
+    return len(getall(name)) if getall is not None else 1
 
 
 def page_query(values: Mapping[str, Any]) -> dict[str, str]:

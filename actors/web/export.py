@@ -20,7 +20,6 @@ read it, so streams are bounded per node (:data:`EXPORT_SLOTS`) and a client tha
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -36,6 +35,7 @@ from infra.http import json_response
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
+from protocol.query import Query
 
 log = get_logger("toastmachine.actors.web.export")
 
@@ -57,7 +57,6 @@ STREAM_PATH = "/corpus/stream"
 #: Concurrent JSONL streams of one app; each holds a pooled connection while the client reads.
 EXPORT_SLOTS: web.AppKey[asyncio.Semaphore] = web.AppKey("export_slots", asyncio.Semaphore)
 
-_SEQUENCE_RE = re.compile(r"[0-9]{1,18}")
 _CHANGES_PARAMS = ("after", "limit", "lineage")
 
 
@@ -88,29 +87,6 @@ def _identity(request: web.Request) -> tuple[str, str]:
 
 def _identity_headers(corpus_id: str, lineage: str) -> dict[str, str]:
     return {"X-Corpus-Id": corpus_id, "X-Corpus-Lineage": lineage, "Cache-Control": "no-store"}
-
-
-def _reject_unknown(request: web.Request, allowed: tuple[str, ...]) -> None:
-    for name in request.query:
-        if name not in allowed:
-            accepted = ", ".join(allowed) if allowed else "none"
-            raise BadRequest(f"Unknown query parameter {name!r}.", code="invalid_parameter",
-                             extra={"field": name}, how_to_proceed=f"Query parameters accepted here: {accepted}.")
-        if len(request.query.getall(name)) > 1:
-            raise BadRequest(f"Query parameter {name!r} is given more than once.", code="invalid_parameter",
-                             extra={"field": name}, how_to_proceed=f"Send {name!r} once.")
-
-
-def _sequence_param(request: web.Request, name: str, default: int, low: int, high: int | None) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    value = int(raw) if _SEQUENCE_RE.fullmatch(raw) else -1
-    if value < low or (high is not None and value > high):
-        bounds = f"an integer from {low} to {high}" if high is not None else "a non-negative integer"
-        raise BadRequest(f"{name!r} must be {bounds}.", code="invalid_parameter", extra={"field": name},
-                         how_to_proceed=_PARAM_HELP[name])
-    return value
 
 
 _PARAM_HELP = {
@@ -231,9 +207,9 @@ _PAGE = ("select convert_to(event || E'\\n', 'UTF8') from changes"
 async def changes(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/changes.jsonl?after=&limit=&lineage=``: the change history, one envelope per line."""
     corpus_id, lineage = _identity(request)
-    _reject_unknown(request, _CHANGES_PARAMS)
-    after = _sequence_param(request, "after", 0, 0, None)
-    limit = _sequence_param(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+    q = Query(request.query, _CHANGES_PARAMS)
+    after = q.integer("after", how_to_proceed=_PARAM_HELP["after"]) or 0
+    limit = q.integer("limit", low=1, high=MAX_LIMIT, how_to_proceed=_PARAM_HELP["limit"]) or DEFAULT_LIMIT
     echoed_lineage = _check_lineage(request, corpus_id, lineage)
     _accept_jsonl(request)
     async with _Slot(request), connection(request.app[NODE].db) as conn, \
@@ -336,7 +312,7 @@ async def _snapshot_chunks(sources: list[_Source]) -> AsyncIterator[bytes]:
 async def snapshot(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/snapshot.jsonl``: current state as resource lines, at boundary ``X-Corpus-At``."""
     corpus_id, lineage = _identity(request)
-    _reject_unknown(request, ())
+    Query(request.query, ())
     _accept_jsonl(request)
     async with _Slot(request), connection(request.app[NODE].db) as conn, \
             conn.transaction(isolation="repeatable_read", readonly=True):
@@ -366,7 +342,7 @@ _INFO = (
 async def corpus_info(request: web.Request) -> web.Response:
     """``GET /corpus``: identity, head and earliest sequence, counts and the synchronization links."""
     corpus_id, lineage = _identity(request)
-    _reject_unknown(request, ())
+    Query(request.query, ())
     # One statement sees one snapshot: the counts and the head agree with each other.
     row = await request.app[NODE].db.pool.fetchrow(_INFO)
     body = {

@@ -352,7 +352,8 @@ def plan_tags(q: Query) -> Plan:
 async def list_tags(request: web.Request) -> web.Response:
     """``GET /tags``: tag statistics, exact ``tag`` or literal ``prefix``, sorted, thresholded, counted."""
     media = choose(request, DATA_TYPES)
-    plan = plan_tags(Query(request.query, _TAG_PARAMS))
+    # The tag contract: the first occurrence of a repeated parameter wins.
+    plan = plan_tags(Query(request.query, _TAG_PARAMS, first_wins=True))
     limit, offset, query = plan.limit, plan.offset or 0, plan.values
     fetched = await request.app[NODE].db.pool.fetch(plan.sql, *plan.params)
     total = fetched[0]["total"]

@@ -17,8 +17,6 @@ message kinds, any of; applies to events that carry a message).
 from __future__ import annotations
 
 import asyncio
-import re
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,7 +29,8 @@ from actors.web.hub import NotificationHub, Subscription, sse_frame
 from infra.db.pool import Target
 from infra.logs import get_logger
 from protocol.corpus import KINDS
-from protocol.errors import BadRequest, ServiceUnavailable
+from protocol.errors import ServiceUnavailable
+from protocol.query import Query
 from protocol.representations import EVENT_TYPES
 
 log = get_logger("toastmachine.actors.web.stream")
@@ -43,9 +42,8 @@ WRITE_TIMEOUT = 10.0
 LIVE_BATCH = 64
 #: Times a stream restarts its catch-up because live events overflowed meanwhile.
 MAX_CATCH_UPS = 5
-_PARAMS = {"after", "types", "conversation", "kinds"}
+_PARAMS = ("after", "types", "conversation", "kinds")
 #: A sequence on the wire: plain ASCII decimal digits (str.isdigit would let "²" through).
-_SEQUENCE_RE = re.compile(r"[0-9]{1,18}")
 
 _RESUME = ("Keep the sequence of the last change you applied; reconnect with Last-Event-ID (or after=) set to "
            "it, or catch up through /corpus/changes.jsonl?after=<it> first.")
@@ -86,42 +84,12 @@ def _conversation_of(data: dict) -> str | None:
 
 
 def _parse(request: web.Request) -> tuple[int | None, _Filters]:
-    unknown = sorted(set(request.query) - _PARAMS)
-    if unknown:
-        raise BadRequest(f"Unknown query parameter {unknown[0]!r}.", code="invalid_parameter",
-                         extra={"field": unknown[0]},
-                         how_to_proceed=f"Use only: {', '.join(sorted(_PARAMS))}.")
-    raw = request.query.get("after")
-    field = "after"
-    if raw is None and "Last-Event-ID" in request.headers:
-        raw, field = request.headers["Last-Event-ID"].strip(), "Last-Event-ID"
-    after: int | None = None
-    if raw is not None:
-        if not _SEQUENCE_RE.fullmatch(raw):
-            raise BadRequest(f"'{field}' must be a non-negative integer sequence.", code="invalid_parameter",
-                             extra={"field": field}, how_to_proceed="Send the sequence of the last change you applied.")
-        after = int(raw)
-
-    def listed(name: str, allowed: tuple[str, ...]) -> frozenset[str] | None:
-        value = request.query.get(name)
-        if value is None:
-            return None
-        items = frozenset(v for v in value.split(",") if v)
-        bad = sorted(items - set(allowed))
-        if not items or bad:
-            raise BadRequest(f"'{name}' has unknown value(s): {', '.join(bad) or '(empty)'}.",
-                             code="invalid_parameter", extra={"field": name},
-                             how_to_proceed=f"Use a comma-separated list of: {', '.join(allowed)}.")
-        return items
-
-    conversation = request.query.get("conversation")
-    if conversation is not None:
-        try:
-            conversation = str(uuid.UUID(conversation))
-        except ValueError:
-            raise BadRequest("'conversation' must be a conversation id.", code="invalid_parameter",
-                             extra={"field": "conversation"}, how_to_proceed="Send a UUID.") from None
-    return after, _Filters(listed("types", EVENT_TYPES), conversation, listed("kinds", KINDS))
+    q = Query(request.query, _PARAMS)
+    after = q.sequence("after")
+    if after is None and "Last-Event-ID" in request.headers:
+        after = Query({"Last-Event-ID": request.headers["Last-Event-ID"].strip()}, ("Last-Event-ID",)
+                      ).sequence("Last-Event-ID")
+    return after, _Filters(q.choices("types", EVENT_TYPES), q.uuid("conversation"), q.choices("kinds", KINDS))
 
 
 class _Stream:
