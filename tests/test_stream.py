@@ -190,6 +190,35 @@ async def test_idle_stream_sends_heartbeats(stack: Stack) -> None:
         resp.close()
 
 
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.2")
+async def test_a_client_that_stops_reading_is_dropped_by_the_heartbeat_watchdog(stack: Stack) -> None:
+    """No timer per write: the hub's ticker finds a stream blocked in the same socket write at two
+    ticks in a row, cuts its subscription off and aborts the connection, long before its queue
+    (1,000 changes) would overflow."""
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    async with publishing(stack):
+        resp = await _open(stack)
+        await _until_ready(frames(resp))
+        (sub,) = hub._subscribers
+        big = "x" * 60_000
+        for _ in range(900):  # fewer than the queue holds: only the watchdog can end this stream
+            await stack.message(alice, cid, content=big)
+            if sub.closed:
+                break
+        assert sub.closed and sub.overflowed, "the stuck stream was never cut off"
+        assert sub.queue.qsize() < hub.subscriber_queue
+        # The connection was aborted: reading on ends with an error or an incomplete body, never a
+        # clean end of the stream.
+        with pytest.raises((aiohttp.ClientPayloadError, aiohttp.ClientConnectionError)):
+            async with asyncio.timeout(60):
+                async for _ in frames(resp):
+                    pass
+
+
 async def test_a_client_that_does_not_keep_up_is_cut_off_with_a_resume_hint(stack: Stack) -> None:
     """The hub's per-client queue is bounded: a stalled reader is cut off, memory stays flat.
 

@@ -9,6 +9,12 @@ misses a change even if the node queue dropped some (it is bounded) or the bus r
 Sequences may legitimately have gaps; reading a hole that holds nothing costs one query.
 Emits: each change to every subscriber's bounded queue. A subscriber whose queue is full is cut off
 (``overflowed``), never allowed to grow memory; its stream tells the client to resume.
+
+Heartbeats: one ticker per hub, not a timer per stream. Every ``heartbeat`` seconds it queues a
+heartbeat comment for each subscriber, and it is also the watchdog: a subscriber whose stream has
+been blocked in the same socket write for a whole interval (the client stopped reading) is cut off
+and its connection aborted. So sending a change to a stream arms no timer at all, which is what
+lets one node feed thousands of streams.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from actors.history import Change, changes_after
 from infra.bus.base import EVENTS_EXCHANGE, Bus, Consumer, Delivery, QueueKind, QueueSpec
@@ -29,6 +35,13 @@ log = get_logger("toastmachine.actors.hub")
 
 #: Changes a subscriber may have waiting before it is cut off.
 DEFAULT_SUBSCRIBER_QUEUE = 1_000
+#: Seconds between heartbeat comments (SPEC §4: every 15 s).
+DEFAULT_HEARTBEAT = 15.0
+
+#: What a subscription's queue holds: a change (or None for a heartbeat) with its SSE bytes.
+Item = tuple[Change | None, bytes]
+#: The heartbeat comment, queued like a change so the stream's one waiting point wakes for it.
+HEARTBEAT: Item = (None, b": heartbeat\n\n")
 
 
 class Subscription:
@@ -40,10 +53,17 @@ class Subscription:
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
         # One slot more than the bound, kept for the end-of-subscription marker (None).
-        self.queue: asyncio.Queue[tuple[Change, bytes] | None] = asyncio.Queue(maxsize=maxsize + 1)
+        self.queue: asyncio.Queue[Item | None] = asyncio.Queue(maxsize=maxsize + 1)
         #: Set when the subscriber fell behind by more than its queue.
         self.overflowed = False
         self.closed = False
+        #: Set by the stream while it waits in a socket write, and how many writes it started:
+        #: the hub's ticker tells a stuck write (the same one at two ticks) from a busy stream.
+        self.busy = False
+        self.writes = 0
+        self._stuck_write: int | None = None
+        #: Called when the ticker finds the stream stuck in a write (the stream aborts its connection).
+        self.on_stuck: Callable[[], None] | None = None
 
     def offer(self, change: Change, frame: bytes) -> None:
         if self.closed:
@@ -64,9 +84,25 @@ class Subscription:
             self.closed = True
             self.queue.put_nowait(None)  # always fits: the queue keeps a slot for it
 
-    def ready_now(self, limit: int) -> list[tuple[Change, bytes]]:
-        """Up to ``limit`` changes already waiting (without waiting); the end marker stays queued."""
-        out: list[tuple[Change, bytes]] = []
+    def tick(self) -> None:
+        """The hub's ticker: queue a heartbeat, or cut off a stream stuck in one write since the last tick."""
+        if self.closed:
+            return
+        if self.busy:
+            if self._stuck_write == self.writes:
+                self.cut_off()
+                if self.on_stuck is not None:
+                    self.on_stuck()
+                return
+            self._stuck_write = self.writes
+            return
+        self._stuck_write = None
+        if self.queue.qsize() < self.maxsize:
+            self.queue.put_nowait(HEARTBEAT)
+
+    def ready_now(self, limit: int) -> list[Item]:
+        """Up to ``limit`` items already waiting (without waiting); the end marker stays queued."""
+        out: list[Item] = []
         while len(out) < limit and not self.queue.empty():
             item = self.queue.get_nowait()
             if item is None:
@@ -75,8 +111,8 @@ class Subscription:
             out.append(item)
         return out
 
-    async def next(self) -> tuple[Change, bytes] | None:
-        """The next change and its frame, or None once the subscription is closed and drained."""
+    async def next(self) -> Item | None:
+        """The next change (or heartbeat) and its frame, or None once closed and drained."""
         item = await self.queue.get()
         if item is None:
             self.queue.put_nowait(None)  # later calls answer None too
@@ -96,12 +132,15 @@ class NotificationHub:
         db: the change history, for filling holes.
         node_id: names this node's queue.
         subscriber_queue: changes a subscriber may have waiting before it is cut off.
+        heartbeat: seconds between heartbeat comments (and the stuck-write watchdog's period).
     """
 
     def __init__(self, bus: Bus, db: Target, *, node_id: str,
-                 subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE) -> None:
+                 subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE, heartbeat: float = DEFAULT_HEARTBEAT) -> None:
         self.bus = bus
         self.db = db
+        self.heartbeat = heartbeat
+        self._ticker: asyncio.Task[None] | None = None
         self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
         self.subscriber_queue = subscriber_queue
         self.last_sequence: int | None = None
@@ -114,10 +153,22 @@ class NotificationHub:
         name = await self.bus.declare_queue(self.queue_spec)
         await self.bus.bind(name, EVENTS_EXCHANGE, "#")
         self._consumer = await self.bus.consume(name, self._on_event, prefetch=256)
+        self._ticker = asyncio.create_task(self._tick(), name="hub-heartbeat")
         log.info("hub.consuming", queue=name)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            for sub in list(self._subscribers):
+                sub.tick()
 
     async def close(self) -> None:
         """Stop consuming and end every subscription."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)

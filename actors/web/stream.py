@@ -17,6 +17,7 @@ message kinds, any of; applies to events that carry a message).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from actors.history import Change, changes_after, head_sequence
 from actors.web.context import NODE
-from actors.web.hub import NotificationHub, Subscription, sse_frame
+from actors.web.hub import Item, NotificationHub, Subscription, sse_frame
 from infra.db.pool import Target
 from infra.logs import get_logger
 from protocol.corpus import KINDS
@@ -99,19 +100,34 @@ class _Stream:
         self.response = response
         self.filters = filters
         self.last = last
+        #: The hub subscription, once there is one: its watchdog bounds how long a write may block.
+        self.sub: Subscription | None = None
 
     async def send(self, text: str) -> None:
         await self.write(text.encode())
 
     async def write(self, data: bytes) -> None:
-        async with asyncio.timeout(WRITE_TIMEOUT):
+        sub = self.sub
+        if sub is None:
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                await self.response.write(data)
+            return
+        # No timer per write: the hub's ticker cuts off a write blocked for a whole heartbeat interval.
+        sub.busy = True
+        sub.writes += 1
+        try:
             await self.response.write(data)
+        finally:
+            sub.busy = False
 
-    async def changes(self, items: list[tuple[Change, bytes]]) -> None:
-        """Send the changes not sent yet, in one socket write: a stream that lags behind catches
-        up in few writes instead of one per change."""
+    async def changes(self, items: list[Item]) -> None:
+        """Send the changes not sent yet (and heartbeats), in one socket write: a stream that lags
+        behind catches up in few writes instead of one per change."""
         out: list[bytes] = []
         for change, frame in items:
+            if change is None:
+                out.append(frame)  # a heartbeat
+                continue
             if change.sequence <= self.last:
                 continue
             self.last = change.sequence
@@ -140,7 +156,6 @@ async def stream(request: web.Request) -> web.StreamResponse:
                                  how_to_proceed="Follow another node, or retry once the operator fixed it.")
     after, filters = _parse(request)
     hub = request.app[HUB]
-    heartbeat = node.settings.stream_heartbeat
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no", "Connection": "keep-alive"})
@@ -150,13 +165,15 @@ async def stream(request: web.Request) -> web.StreamResponse:
         await out.send("retry: 3000\n\n")
         for _ in range(MAX_CATCH_UPS):
             async with hub.subscribe() as sub:
+                out.sub = sub
+                sub.on_stuck = functools.partial(_abort, request)
                 if after is None:
                     out.last = after = await head_sequence(node.db)
                 await _catch_up(node.db, out)
                 if sub.overflowed:
                     continue  # too much arrived meanwhile: catch up again from the history
                 await out.send(f"event: ready\ndata: {orjson.dumps({'sequence': out.last}).decode()}\n\n")
-                await _live(sub, out, heartbeat)
+                await _live(sub, out)
                 if sub.overflowed:
                     await out.error("slow_consumer")
                 return response
@@ -183,17 +200,19 @@ async def _catch_up(db: Target, out: _Stream) -> None:
             await out.changes([(c, sse_frame(c)) for c in page[start:start + LIVE_BATCH]])
 
 
-async def _live(sub: Subscription, out: _Stream, heartbeat: float) -> None:
+async def _live(sub: Subscription, out: _Stream) -> None:
     while True:
-        try:
-            async with asyncio.timeout(heartbeat):
-                item = await sub.next()
-        except TimeoutError:
-            await out.send(": heartbeat\n\n")
-            continue
+        item = await sub.next()
         if item is None:
             return
         await out.changes([item, *sub.ready_now(LIVE_BATCH - 1)])
+
+
+def _abort(request: web.Request) -> None:
+    """Drop a client that stopped reading: its blocked write then fails with a connection error."""
+    log.info("stream.client_stuck")
+    if request.transport is not None:
+        request.transport.abort()
 
 
 async def _hub_context(app: web.Application) -> AsyncIterator[None]:
@@ -211,7 +230,8 @@ async def _end_streams(app: web.Application) -> None:
 def add_routes(app: web.Application) -> None:
     """The stream route, with this node's hub started and stopped with the app."""
     node = app[NODE]
-    app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id)
+    app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id,
+                               heartbeat=node.settings.stream_heartbeat)
     app.cleanup_ctx.append(_hub_context)
     app.on_shutdown.append(_end_streams)
     app.router.add_get("/corpus/stream", stream)
