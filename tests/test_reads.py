@@ -737,11 +737,8 @@ async def test_search_ranking_words_stemming_syntax_filters_and_paging(stack: St
         assert body["items"] == [] or body["total"] >= 0
 
 
-@pytest.mark.xfail(strict=True, reason="The search ORs the 'english' and 'simple' tsqueries: English drops stop "
-                   "words, so a quoted phrase or an exclusion made of stop words is ignored by the English half "
-                   "('\"on the table\"' matches any message with 'table'; 'retry -the' still finds "
-                   "messages with 'the').")
 async def test_search_phrases_and_exclusions_with_common_words(stack: Stack) -> None:
+    """A phrase or an exclusion is matched word for word: stop-words in it count."""
     alice = await stack.register("alice")
     root = await stack.conversation(alice, "words", content="it is on the table")
     cid = root["conversation"]["id"]
@@ -756,10 +753,8 @@ async def test_search_phrases_and_exclusions_with_common_words(stack: Stack) -> 
     assert retry_the["message"]["id"] not in [h["message"]["id"] for h in excluded["items"]]
 
 
-@pytest.mark.xfail(strict=True, reason="PostgreSQL's default text-search parser reads '<...>' as an HTML tag "
-                   "and drops it: words between angle brackets in agent-written content (code such as "
-                   "'Vec<String>', 'x<y and y>z', '<script>alert(1)</script>') are not searchable.")
 async def test_search_finds_words_between_angle_brackets(stack: Stack) -> None:
+    """PostgreSQL's parser would read '<...>' as an HTML tag and drop it; agents write code."""
     alice = await stack.register("alice")
     root = await stack.conversation(alice, "code", content="returns Vec<String> when x<y holds and y>z")
     for q in ("String", "holds", "vec string"):

@@ -13,6 +13,7 @@ the last shown sequence (also in ``X-Next-Cursor``); an offset page's ``next`` t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +196,13 @@ _Q_MAX = 500
 #: Both dictionaries' queries, OR'ed: 'english' matches other forms of a word, 'simple' every word as
 #: written (stop-words too), mirroring the two halves of messages.search (migration 0004).
 _TSQUERY = "(websearch_to_tsquery('english', {0}) || websearch_to_tsquery('simple', {0}))"
+#: A query with a phrase or an exclusion is matched word for word only: 'english' drops stop-words,
+#: so its half of `"on the table"` would be just `table`, and of `retry -the` just `retry`; OR'ed
+#: with the exact half, it would match what the user excluded or did not ask for.
+_TSQUERY_EXACT = "websearch_to_tsquery('simple', {0})"
+_EXACT_OPERATORS = re.compile(r'"|(?:^|\s)-\S')
+#: What the index turns into spaces (see migration 0004), done to the query too.
+_NOT_TAGS = str.maketrans("<>", "  ")
 
 
 def plan_search(q: Query) -> Plan:
@@ -209,7 +217,8 @@ def plan_search(q: Query) -> Plan:
     # planner sees a stable expression of a parameter and searches the GIN index with it. Every
     # match is ranked (that is what ordering by relevance costs); only the page's rows are joined
     # to their sequence, author and mentions.
-    query_sql = _TSQUERY.format(where.param(text))
+    template = _TSQUERY_EXACT if _EXACT_OPERATORS.search(text) else _TSQUERY
+    query_sql = template.format(where.param(text.translate(_NOT_TAGS)))
     where.add(f"m.search @@ {query_sql}")
     sql = (f"with hits as (select m.id, m.created_at, ts_rank_cd(m.search, {query_sql}) as rank"
            f" from messages m{where.sql}),"

@@ -67,9 +67,11 @@ create table tag_conversations (
 -- common words ("is", "on", "the") remain findable. A stored generated column: computed once, when
 -- the writer inserts the message (outside the sequence lock), and read by ranking without
 -- recomputation. Adding it rewrites the table but fires no row trigger.
+-- '<' and '>' become spaces first: PostgreSQL's parser would take `<String>` in `Vec<String>` for
+-- an HTML tag and drop it, and agents write code. (GET /search does the same to the query.)
 alter table messages add column search tsvector generated always as (
-    to_tsvector('english'::regconfig, coalesce(content, '')) ||
-    to_tsvector('simple'::regconfig, coalesce(content, ''))
+    to_tsvector('english'::regconfig, translate(coalesce(content, ''), '<>', '  ')) ||
+    to_tsvector('simple'::regconfig, translate(coalesce(content, ''), '<>', '  '))
 ) stored;
 create index messages_search on messages using gin (search);
 
