@@ -712,6 +712,9 @@ class Node:
     publisher: NodeProcess
     http: HttpSide
     logs: list[tuple[str, NodeProcess]] = field(default_factory=list)
+    #: With ``--write-node other``: the web node that takes the writes (the streams' node takes none).
+    ingress: NodeProcess | None = None
+    ingress_url: str = ""
 
 
 async def fanout_ours(args: argparse.Namespace, node: Node) -> FanoutRound:
@@ -721,14 +724,15 @@ async def fanout_ours(args: argparse.Namespace, node: Node) -> FanoutRound:
     try:
         base = await web.wait_listening(60)
         pid = web.proc.pid
-        node.http.url = base
+        node.http.url = node.ingress_url or base
         if not node.http.agents[0].credential:
             await node.http.set_up()
         # Warm up the fresh process (its stream, hub and write paths) with one client, unmeasured.
         async with sse_clients(base, "/corpus/stream", 1) as (probe,):
             last = 0
             for n in range(20):
-                status, sequence = await append(node.http.session, base, node.http.agents[0], n, args.content_size)
+                status, sequence = await append(node.http.session, node.http.url, node.http.agents[0], n,
+                                                args.content_size)
                 if sequence is None:
                     raise RuntimeError(f"a warm-up write answered {status}")
                 last = sequence
@@ -745,7 +749,8 @@ async def fanout_ours(args: argparse.Namespace, node: Node) -> FanoutRound:
         async with sse_clients(base, "/corpus/stream", args.clients) as clients:
             ready = rss_bytes(pid)
             meter = CpuMeter.start({"web": pid, "writer": node.writer.proc.pid,
-                                    "publisher": node.publisher.proc.pid, "bench": os.getpid()})
+                                    "publisher": node.publisher.proc.pid, "bench": os.getpid(),
+                                    **({"ingress": node.ingress.proc.pid} if node.ingress is not None else {})})
             async with RssSampler(pid) as rss:
                 answered, failures, writing = await paced_writes(node.http, args.rate, args.seconds, args.content_size)
                 # Every change committed in the round, 201 or not (a write answered 504 may commit later).
@@ -921,7 +926,7 @@ async def measure_frame_size(node: Node, args: argparse.Namespace) -> int:
 
 
 def fanout_cpu_line(result: list[FanoutRound]) -> str:
-    names = [n for n in ("web", "writer", "publisher", "raw", "bench", "postgres", "rabbitmq", "machine")
+    names = [n for n in ("web", "ingress", "writer", "publisher", "raw", "bench", "postgres", "rabbitmq", "machine")
              if any(n in r.cpu for r in result)]
     return ", ".join(f"{n} {statistics.median(r.cpu.get(n, 0.0) for r in result):.2f}" for n in names)
 
@@ -944,7 +949,8 @@ def print_fanout(args: argparse.Namespace, frame_size: int, ours: list[FanoutRou
 
     offered = args.clients * args.rate
     print(f"SSE fan-out: {args.clients:,} clients on one node, {args.rate:g} changes/s for {args.seconds:g} s "
-          f"(~{frame_size} B frames, offered {offered:,.0f} frames/s), median of {len(ours)} alternating rounds")
+          f"(~{frame_size} B frames, offered {offered:,.0f} frames/s), median of {len(ours)} alternating rounds; "
+          f"writes through {'a second web node' if args.write_node == 'other' else 'the streams node itself'}")
     print(f"  ours     {med(ours, lambda r: r.rate):10,.0f} frames/s   commit-to-client p50 "
           f"{med(ours, lambda r: r.p50_ms):7.1f} ms  p99 {med(ours, lambda r: r.p99_ms):7.1f} ms   "
           f"memory/client {med(ours, lambda r: r.memory_ready) / 1024:5.1f} KiB ready, "
@@ -1020,6 +1026,10 @@ async def bench_fanout(args: argparse.Namespace) -> None:
                 await publisher.wait_for_line(r"ToastMachine running publisher", 60)
                 agents = [Agent(f"f{tag[:6]}_{i}") for i in range(args.agents)]
                 node = Node(env, dsn, writer, publisher, HttpSide(session, "", agents, args.content_size), started)
+                if args.write_node == "other":
+                    node.ingress = await start("web", env=env)
+                    started.append(("ingress", node.ingress))
+                    node.ingress_url = await node.ingress.wait_listening(60)
                 frame_size = await measure_frame_size(node, args)
                 for i in range(args.rounds):
                     for who in (("raw", "ours") if i % 2 == 0 else ("ours", "raw")):
@@ -1063,6 +1073,9 @@ async def main() -> None:
     fanout.add_argument("--content", type=int, default=100, dest="content_size",
                         help="characters of message content")
     fanout.add_argument("--agents", type=int, default=4, help="agents writing, round robin")
+    fanout.add_argument("--write-node", choices=("other", "same"), default="other",
+                        help="where the writes go: a second web node (as a deployment that serves many "
+                             "streams would), or the streams' own node, which then also does their ingress")
     fanout.add_argument("--drain", type=float, default=30.0,
                         help="seconds the clients get to receive the last change after the writing")
     fanout.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)

@@ -20,6 +20,7 @@ lets one node feed thousands of streams.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -45,16 +46,19 @@ HEARTBEAT: Item = (None, b": heartbeat\n\n")
 
 
 class Subscription:
-    """One stream's view of the hub: a bounded queue of changes in sequence order.
+    """One stream's view of the hub: a bounded backlog of changes in sequence order.
 
-    Each change comes with its SSE frame, encoded once by the hub for every subscriber.
+    Each change comes with its SSE frame, encoded once by the hub for every subscriber. The hub
+    hands changes over in batches (:meth:`offer_many`) and the stream takes everything waiting at
+    once (:meth:`take`): when a node falls behind, batches grow, so the per-stream cost per change
+    (a wake-up and a socket write) shrinks exactly when it matters.
     """
 
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
-        # One slot more than the bound, kept for the end-of-subscription marker (None).
-        self.queue: asyncio.Queue[Item | None] = asyncio.Queue(maxsize=maxsize + 1)
-        #: Set when the subscriber fell behind by more than its queue.
+        self._items: collections.deque[Item] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        #: Set when the subscriber fell behind by more than its bound.
         self.overflowed = False
         self.closed = False
         #: Set by the stream while it waits in a socket write, and how many writes it started:
@@ -65,13 +69,24 @@ class Subscription:
         #: Called when the ticker finds the stream stuck in a write (the stream aborts its connection).
         self.on_stuck: Callable[[], None] | None = None
 
+    @property
+    def pending(self) -> int:
+        """Items waiting to be taken."""
+        return len(self._items)
+
     def offer(self, change: Change, frame: bytes) -> None:
+        """Queue one change (see :meth:`offer_many`)."""
+        self.offer_many([(change, frame)])
+
+    def offer_many(self, batch: list[Item]) -> None:
+        """Queue changes; a subscriber that would hold more than ``maxsize`` is cut off instead."""
         if self.closed:
             return
-        if self.queue.qsize() >= self.maxsize:
+        if len(self._items) + len(batch) > self.maxsize:
             self.cut_off()
             return
-        self.queue.put_nowait((change, frame))
+        self._items.extend(batch)
+        self._wake()
 
     def cut_off(self) -> None:
         """End the subscription because its reader fell behind (or a hole could not be read)."""
@@ -79,10 +94,10 @@ class Subscription:
         self.close()
 
     def close(self) -> None:
-        """End the subscription: what is queued is still delivered, then :meth:`next` answers None."""
+        """End the subscription: what is queued is still delivered, then :meth:`take` answers None."""
         if not self.closed:
             self.closed = True
-            self.queue.put_nowait(None)  # always fits: the queue keeps a slot for it
+            self._wake()
 
     def tick(self) -> None:
         """The hub's ticker: queue a heartbeat, or cut off a stream stuck in one write since the last tick."""
@@ -97,26 +112,32 @@ class Subscription:
             self._stuck_write = self.writes
             return
         self._stuck_write = None
-        if self.queue.qsize() < self.maxsize:
-            self.queue.put_nowait(HEARTBEAT)
+        if len(self._items) < self.maxsize:
+            self._items.append(HEARTBEAT)
+            self._wake()
 
-    def ready_now(self, limit: int) -> list[Item]:
-        """Up to ``limit`` items already waiting (without waiting); the end marker stays queued."""
-        out: list[Item] = []
-        while len(out) < limit and not self.queue.empty():
-            item = self.queue.get_nowait()
-            if item is None:
-                self.queue.put_nowait(None)
-                break
-            out.append(item)
-        return out
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    async def next(self) -> Item | None:
-        """The next change (or heartbeat) and its frame, or None once closed and drained."""
-        item = await self.queue.get()
-        if item is None:
-            self.queue.put_nowait(None)  # later calls answer None too
-        return item
+    async def take(self, limit: int) -> list[Item] | None:
+        """Up to ``limit`` waiting items (waiting for one if there are none), or None once the
+        subscription is closed and everything queued was taken."""
+        while not self._items:
+            if self.closed:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = self._items
+        if len(items) <= limit:
+            out = list(items)
+            items.clear()
+            return out
+        return [items.popleft() for _ in range(limit)]
 
 
 def sse_frame(change: Change) -> bytes:
@@ -147,6 +168,9 @@ class NotificationHub:
         self._subscribers: set[Subscription] = set()
         self._consumer: Consumer | None = None
         self._lock = asyncio.Lock()  # one event at a time: order and hole filling stay simple
+        # Changes passed on since the last hand-over to the subscribers (see _publish).
+        self._batch: list[Item] = []
+        self._flush_scheduled = False
 
     async def start(self) -> None:
         """Declare and bind this node's queue and start consuming."""
@@ -224,10 +248,20 @@ class NotificationHub:
             after = page[-1].sequence
 
     def _publish(self, change: Change) -> None:
+        """Pass a change on. Changes are handed to the subscribers in one batch per turn of the
+        event loop: every event that arrived in the same read from the broker goes out together,
+        so a node that is behind does one wake-up and one socket write per stream for many changes."""
         self.last_sequence = change.sequence
-        frame = sse_frame(change)
+        self._batch.append((change, sse_frame(change)))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._batch = self._batch, []
         for sub in list(self._subscribers):
-            sub.offer(change, frame)
+            sub.offer_many(batch)
 
 
 def _envelope(event: ChangeEvent) -> dict[str, object]:

@@ -40,7 +40,7 @@ HUB: web.AppKey[NotificationHub] = web.AppKey("hub", NotificationHub)
 #: Seconds one frame may take to reach a client before the client counts as stuck.
 WRITE_TIMEOUT = 10.0
 #: Most live changes one socket write carries when a stream has fallen behind.
-LIVE_BATCH = 64
+LIVE_BATCH = 256
 #: Times a stream restarts its catch-up because live events overflowed meanwhile.
 MAX_CATCH_UPS = 5
 _PARAMS = ("after", "types", "conversation", "kinds")
@@ -202,10 +202,10 @@ async def _catch_up(db: Target, out: _Stream) -> None:
 
 async def _live(sub: Subscription, out: _Stream) -> None:
     while True:
-        item = await sub.next()
-        if item is None:
+        items = await sub.take(LIVE_BATCH)
+        if items is None:
             return
-        await out.changes([item, *sub.ready_now(LIVE_BATCH - 1)])
+        await out.changes(items)
 
 
 def _abort(request: web.Request) -> None:
