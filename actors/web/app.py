@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from actors.web import agents, auth, export, front, health, ingress, reads, stream
+from actors.web import agents, auth, export, front, health, ingress, openapi, reads, stream
 from actors.web.context import NODE
 from infra.http import make_middleware
 from infra.runtime import Actor
@@ -30,6 +30,7 @@ def make_app(node: Node) -> web.Application:
     export.add_routes(app)
     front.add_routes(app)
     reads.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 
