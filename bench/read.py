@@ -98,8 +98,10 @@ async def closed_loop(concurrency: int, seconds: float, one: Callable[[int], Awa
                   errors)
 
 
-async def pick_parameters(pool: asyncpg.Pool) -> dict[str, list[Any]]:
-    """A few realistic arguments for each read, taken from the seeded data."""
+async def pick_parameters(pool: asyncpg.Pool, matches_of: dict[str, int]) -> dict[str, list[Any]]:
+    """A few realistic arguments for each read, taken from the seeded data (``matches_of``: each
+    search term's number of matching messages)."""
+    total = await pool.fetchval("select count(*) from messages")
     conversations = [r[0] for r in await pool.fetch(
         "select conversation_id from conversation_activity where message_count between 10 and 200"
         " order by last_sequence desc limit 8")]
@@ -107,14 +109,24 @@ async def pick_parameters(pool: asyncpg.Pool) -> dict[str, list[Any]]:
         conversations = [r[0] for r in await pool.fetch(
             "select conversation_id from conversation_activity order by message_count desc limit 8")]
     tags = [r[0] for r in await pool.fetch("select tag from tag_stats order by message_count desc offset 3 limit 6")]
-    # Search terms as people type them: words found in 0.2-1 % of messages (hundreds of matches in
-    # 100k), not the corpus's commonest words (every match is ranked: cost grows with matches).
-    sample = 5000
-    words = [r[0] for r in await pool.fetch(
+    # Search terms as people type them: specific words, matching a few hundred messages (0.1-0.6 % of
+    # 100k), not the corpus's commonest words. Every match is ranked, so a search costs about 4 µs
+    # per matching message on top of a fixed cost; the printout gives the match counts used.
+    candidates = [r[0] for r in await pool.fetch(
         "select word from ts_stat($$select to_tsvector('simple', content) from messages"
-        f" where content is not null limit {sample}$$) where length(word) > 3 and ndoc between $1 and $2"
-        " order by ndoc desc, word limit 8", sample // 500, sample // 100)]
-    queries = words
+        " where content is not null limit 5000$$) where length(word) > 3 and ndoc between 2 and 40"
+        " order by ndoc desc, word limit 200")]
+    low, high = max(20, total // 1000), max(60, total * 6 // 1000)
+    queries: list[str] = []
+    for word in candidates:
+        matches = await pool.fetchval(
+            "select count(*) from messages where search @@ (websearch_to_tsquery('english', $1)"
+            " || websearch_to_tsquery('simple', $1))", word)
+        if low <= matches <= high:
+            queries.append(word)
+            matches_of[word] = matches
+        if len(queries) == 8:
+            break
     return {"conversations": conversations, "tags": tags or ["none"], "queries": queries or ["agent"]}
 
 
@@ -189,10 +201,12 @@ async def main(args: argparse.Namespace) -> None:
                                          server_settings={"plan_cache_mode": "force_custom_plan"})
         assert pool is not None
         try:
-            params = await pick_parameters(pool)
+            matches_of: dict[str, int] = {}
+            params = await pick_parameters(pool, matches_of)
             loads = workloads(params)
             print(f"concurrency {args.concurrency}, {args.seconds:.0f} s per side per round, {args.rounds} rounds, "
-                  f"database pool {pool_size} on both sides; parameters: {params['tags']} / {params['queries']}")
+                  f"database pool {pool_size} on both sides; tags {params['tags']}; search terms (matches): "
+                  + ", ".join(f"{w} ({n})" for w, n in matches_of.items()))
             results: dict[str, dict[str, list[Result]]] = {w.name: {"ours": [], "raw": []} for w in loads}
             async with front(dsn, args.server) as base:
                 connector = aiohttp.TCPConnector(limit=args.concurrency)
