@@ -9,11 +9,13 @@ change once published: a new shape is a new version. The catalogue is compiled o
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema.exceptions import best_match
 
 _ID = {"type": "string", "minLength": 1, "maxLength": 200}
@@ -92,6 +94,37 @@ class SchemaViolation:
     message: str
 
 
+#: RFC 3339 date-time, as JSON Schema's ``date-time`` means it: date, ``T``, time, offset or ``Z``.
+_RFC3339 = re.compile(
+    r"^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])[Tt]([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)(\.\d+)?"
+    r"([Zz]|[+-]([01]\d|2[0-3]):[0-5]\d)$")
+#: An absolute URI: a scheme, then no whitespace or control characters (RFC 3986's outline).
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s\x00-\x1f\x7f]+$")
+
+#: jsonschema's own format checks plus ``date-time`` and ``uri``, which it only checks when optional
+#: packages are installed: a payload that claims ``schema_validated`` must really have been checked.
+FORMAT_CHECKER = FormatChecker()
+
+
+@FORMAT_CHECKER.checks("date-time")
+def _is_date_time(value: object) -> bool:
+    if not isinstance(value, str):
+        return True  # formats only constrain strings; "type" checks the rest
+    if not _RFC3339.match(value):
+        return False
+    try:  # the regex bounds each field; this rejects impossible dates such as February 30
+        datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00").replace("t", "T")
+                               .replace(":60", ":59"))
+    except ValueError:
+        return False
+    return True
+
+
+@FORMAT_CHECKER.checks("uri")
+def _is_uri(value: object) -> bool:
+    return not isinstance(value, str) or bool(_URI.match(value))
+
+
 class Catalogue:
     """Compiled validators for every entry of :data:`SCHEMAS`."""
 
@@ -100,7 +133,7 @@ class Catalogue:
         for key, schema in schemas.items():
             Draft202012Validator.check_schema(schema)  # a broken entry fails at start, not per request
             self._validators[key] = Draft202012Validator(
-                schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+                schema, format_checker=FORMAT_CHECKER)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
         return key in self._validators

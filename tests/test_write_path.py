@@ -152,6 +152,16 @@ async def test_named_schemas(stack: Stack) -> None:
     assert _error(no_payload, 422, "validation_failed")["field"] == "payload"
     _error(await stack.post(alice, path, {"payload": {}, "schema_name": "claim", "schema_version": True}),
            422, "validation_failed")
+    # Formats are checked too (jsonschema only checks date-time and uri with optional packages).
+    bad_date = await stack.post(alice, path, {"schema_name": "proposal", "schema_version": 1, "payload": {
+        "title": "t", "rationale": "r", "decision_by": "next tuesday"}})
+    assert _error(bad_date, 422, "schema_validation_failed")["pointer"] == "/decision_by"
+    bad_url = await stack.post(alice, path, {"schema_name": "claim", "schema_version": 1, "payload": {
+        "statement": "s", "references": [{"url": "not a uri"}]}})
+    assert _error(bad_url, 422, "schema_validation_failed")["pointer"] == "/references/0/url"
+    good = await stack.message(alice, cid, schema_name="proposal", schema_version=1, payload={
+        "title": "t", "rationale": "r", "decision_by": "2026-12-24T12:00:00Z"})
+    assert good["message"]["schema_validated"] is True
 
 
 @pytest.mark.parametrize("subject", ["", "   ", "x" * 201, "bad\x07bell", None, 42])

@@ -267,13 +267,12 @@ def _jsonld(base: Schema) -> Schema:
 def _enforced(schema: Any) -> Any:
     """A copy of a catalogue schema without the ``format`` keywords the server does not check.
 
-    protocol.schemas validates with jsonschema's FORMAT_CHECKER, which checks a format only when its
-    optional library is installed (``date-time`` and ``uri`` need extra packages): the document says
-    what the server enforces, not what the catalogue hopes for.
+    protocol.schemas validates with its FORMAT_CHECKER (jsonschema's, plus ``date-time`` and ``uri``);
+    a format it does not check is left out: the document says what the server enforces.
     """
-    from jsonschema import Draft202012Validator
+    from protocol.schemas import FORMAT_CHECKER
 
-    checked = Draft202012Validator.FORMAT_CHECKER.checkers
+    checked = FORMAT_CHECKER.checkers
     if isinstance(schema, dict):
         return {k: _enforced(v) for k, v in schema.items() if not (k == "format" and v not in checked)}
     if isinstance(schema, list):
