@@ -7,6 +7,7 @@ gets a fresh database. Clients talk to the front over real HTTP (aiohttp's TestS
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from actors.history import changes_after
 from actors.web.app import make_app
 from actors.writer import CorpusWriter
 from infra.bus import make_bus
@@ -24,7 +26,7 @@ from infra.db import CorpusIdentity, Database, apply_migrations, ensure_identity
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
 
-__all__ = ["Agent", "Stack", "publishing", "running_stack", "stack", "stack_backends"]
+__all__ = ["Agent", "Stack", "follow_history", "publishing", "running_stack", "stack", "stack_backends"]
 
 
 @dataclass(slots=True)
@@ -106,6 +108,22 @@ class Stack:
         reply = await self.post(agent, f"/conversations/{conversation_id}/messages", message)
         assert reply.status == 201, reply.body
         return reply.body  # type: ignore[no-any-return]
+
+
+async def follow_history(db: Database, done: asyncio.Event, seen: list[int]) -> None:
+    """Follow the change history as a mirror does (``after=<last seen>``), appending every sequence
+    to ``seen``, until ``done`` is set and one more pass finds nothing new."""
+    after = 0
+    while True:
+        finished = done.is_set()  # read the flag *before* the query: one more pass after the end
+        page = await changes_after(db, after)
+        for change in page:
+            seen.append(change.sequence)
+            after = change.sequence
+        if finished and not page:
+            return
+        if not page:
+            await asyncio.sleep(0)  # yield to the writers; the loop itself is the synchronisation
 
 
 @contextlib.asynccontextmanager

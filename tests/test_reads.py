@@ -17,7 +17,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import orjson
-import pytest
 from multidict import CIMultiDictProxy
 
 from tests.corpus_fixtures import Agent, Stack

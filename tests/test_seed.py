@@ -21,7 +21,6 @@ import asyncpg
 import orjson
 import pytest
 
-from actors.history import changes_after
 from actors.web import rows
 from actors.web.app import make_app
 from infra.bus import make_bus
@@ -30,7 +29,7 @@ from protocol import corpus
 from protocol import representations as rep
 from protocol.schemas import catalogue
 from tests import procs
-from tests.corpus_fixtures import Stack
+from tests.corpus_fixtures import Stack, follow_history
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
 from toastmachine.seed import SeedProgress, SeedReport, seed_corpus
@@ -351,24 +350,11 @@ async def test_seed_beside_a_writing_node_keeps_the_history_gap_free(stack: Stac
     seen: list[int] = []
     done = asyncio.Event()
 
-    async def reader() -> None:
-        after = 0
-        while True:
-            finished = done.is_set()  # read the flag before the query: one more pass after the end
-            page = await changes_after(stack.db, after)
-            for change in page:
-                seen.append(change.sequence)
-                after = change.sequence
-            if finished and not page:
-                return
-            if not page:
-                await asyncio.sleep(0)  # let the others run; the loop itself is the synchronisation
-
     async def writes() -> None:
         for i in range(60):
             await stack.message(agent, cid, content=f"written {i} #live")
 
-    read = asyncio.create_task(reader())
+    read = asyncio.create_task(follow_history(stack.db, done, seen))
     try:
         report, _ = await asyncio.gather(
             seed_corpus(stack.db, messages=1200, agents=5, batch_messages=50), writes())

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from actors.history import changes_after
 from actors.writer import CorpusWriter
-from tests.corpus_fixtures import Stack
+from tests.corpus_fixtures import Stack, follow_history
 
 WRITERS = 4
 CLIENTS = 24
@@ -32,19 +31,6 @@ async def test_reader_following_after_sees_every_sequence(stack: Stack) -> None:
     seen: list[int] = []
     done = asyncio.Event()
 
-    async def reader() -> None:
-        after = 0
-        while True:
-            finished = done.is_set()  # read the flag *before* the query: one more pass after the end
-            page = await changes_after(stack.db, after)
-            for change in page:
-                seen.append(change.sequence)
-                after = change.sequence
-            if finished and not page:
-                return
-            if not page:
-                await asyncio.sleep(0)  # yield to the writers; the loop itself is the synchronisation
-
     async def client(n: int) -> None:
         agent = agents[n % len(agents)]
         for i in range(WRITES_PER_CLIENT):
@@ -52,7 +38,7 @@ async def test_reader_following_after_sees_every_sequence(stack: Stack) -> None:
                                      token=str(uuid.uuid4()))
             assert reply.status == 201, reply.body
 
-    read = asyncio.create_task(reader())
+    read = asyncio.create_task(follow_history(stack.db, done, seen))
     try:
         await asyncio.gather(*(client(n) for n in range(CLIENTS)))
     finally:

@@ -78,6 +78,25 @@ def _offset_links(path: str, query: dict[str, Any], offset: int, limit: int, mor
     return {"next": next_url, "prev": prev_url}
 
 
+def _page_links(path: str, query: dict[str, Any], *, offset: int | None, limit: int, more: bool,
+                cursor_key: str, cursor: int | None) -> tuple[dict[str, str | None], int | None]:
+    """next/prev of a page, and its ``X-Next-Cursor``: an offset page continues by offset; a cursor
+    page continues from ``cursor`` (the last item's position) under ``cursor_key``."""
+    if offset is not None:
+        return _offset_links(path, query, offset, limit, more), None
+    if not more:
+        return {"next": None, "prev": None}, None
+    return {"next": link(path, page_query({**query, cursor_key: cursor})), "prev": None}, cursor
+
+
+def _collection(items: list[Any], links: dict[str, str | None], **extra: Any) -> dict[str, Any]:
+    """``{items, [total], next, [prev]}``: ``prev`` only where there is one."""
+    body: dict[str, Any] = {"items": items, **extra, "next": links["next"]}
+    if links.get("prev"):
+        body["prev"] = links["prev"]
+    return body
+
+
 def _page(items: list[Any], limit: int) -> tuple[list[Any], bool]:
     """The first ``limit`` of ``limit + 1`` fetched rows, and whether there were more."""
     return items[:limit], len(items) > limit
@@ -158,19 +177,10 @@ async def list_messages(request: web.Request) -> web.Response:
     page, more = _page(fetched, limit)
     items = [rows.message(r) for r in page]
     query = {**values, "after": after, "before": before, "order": q.raw("order"), "limit": q.raw("limit")}
-    links: dict[str, str | None]
-    cursor = None
-    if offset is not None:
-        links = _offset_links("/messages", {**query, "offset": None}, offset, limit, more)
-    elif more:
-        cursor = page[-1]["sequence"]
-        key = "after" if order == "asc" else "before"
-        links = {"next": link("/messages", page_query({**query, key: cursor})), "prev": None}
-    else:
-        links = {"next": None, "prev": None}
-    body = {"items": items, "next": links["next"]}
-    if links.get("prev"):
-        body["prev"] = links["prev"]
+    links, cursor = _page_links("/messages", query, offset=offset, limit=limit, more=more,
+                                cursor_key="after" if order == "asc" else "before",
+                                cursor=page[-1]["sequence"] if page else None)
+    body = _collection(items, links)
     return respond(request, Document("message", body, "Messages", collection=True, links=links,
                                      cursor=cursor), media)
 
@@ -243,9 +253,7 @@ async def search(request: web.Request) -> web.Response:
     page, more = _page([r for r in fetched if r["id"] is not None], limit)
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]
     links = _offset_links("/search", {**values, "limit": q.raw("limit")}, offset, limit, more)
-    body: dict[str, Any] = {"items": items, "total": total, "next": links["next"]}
-    if links["prev"]:
-        body["prev"] = links["prev"]
+    body = _collection(items, links, total=total)
     return respond(request, Document("search", body, f"Search: {text}", collection=True, links=links), media)
 
 
@@ -276,16 +284,9 @@ async def list_conversations(request: web.Request) -> web.Response:
     total = fetched[0]["total"]
     page, more = _page([r for r in fetched if r["id"] is not None], limit)
     query = {"author": author, "before": before, "limit": q.raw("limit")}
-    cursor = None
-    if offset is not None:
-        links = _offset_links("/conversations", query, offset, limit, more)
-    else:
-        cursor = page[-1]["last_sequence"] if more else None
-        links = {"next": link("/conversations", page_query({**query, "before": cursor})) if more else None,
-                 "prev": None}
-    body: dict[str, Any] = {"items": [rows.conversation(r) for r in page], "total": total, "next": links["next"]}
-    if links["prev"]:
-        body["prev"] = links["prev"]
+    links, cursor = _page_links("/conversations", query, offset=offset, limit=limit, more=more,
+                                cursor_key="before", cursor=page[-1]["last_sequence"] if page else None)
+    body = _collection([rows.conversation(r) for r in page], links, total=total)
     return respond(request, Document("conversation", body, "Conversations", collection=True, links=links,
                                      cursor=cursor), media)
 
@@ -413,16 +414,9 @@ async def list_relationships(request: web.Request) -> web.Response:
     page, more = _page(fetched, limit)
     query = {"message": message, "source": source, "target": target, "type": rtype, "author": author,
              "include_retracted": q.raw("include_retracted"), "limit": q.raw("limit")}
-    cursor = None
-    if offset is not None:
-        links = _offset_links("/relationships", query, offset, limit, more)
-    else:
-        cursor = page[-1]["sequence"] if more else None
-        links = {"next": link("/relationships", page_query({**query, "after": cursor})) if more else None,
-                 "prev": None}
-    body: dict[str, Any] = {"items": [rows.relationship(r) for r in page], "next": links["next"]}
-    if links["prev"]:
-        body["prev"] = links["prev"]
+    links, cursor = _page_links("/relationships", query, offset=offset, limit=limit, more=more,
+                                cursor_key="after", cursor=page[-1]["sequence"] if page else None)
+    body = _collection([rows.relationship(r) for r in page], links)
     return respond(request, Document("relationship", body, "Relationships", collection=True, links=links,
                                      cursor=cursor), media)
 
