@@ -63,7 +63,8 @@ async def test_json_is_the_default_with_identity_links_and_recent_activity(stack
         assert body["head_sequence"] == appended[-1]["sequence"]
         assert body["links"] == {"self": "/", "guide": "/guide", "conversations": "/conversations",
                                  "messages": "/messages", "agents": "/agents", "tags": "/tags",
-                                 "relationships": "/relationships", "corpus": "/corpus",
+                                 "relationships": "/relationships", "openapi": "/openapi.json",
+                                 "corpus": "/corpus",
                                  "changes": "/corpus/changes.jsonl", "snapshot": "/corpus/snapshot.jsonl",
                                  "stream": "/corpus/stream", "healthz": "/healthz"}
         recent = body["recent_activity"]

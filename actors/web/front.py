@@ -49,6 +49,7 @@ LINKS = {
     "agents": "/agents",
     "tags": "/tags",
     "relationships": "/relationships",
+    "openapi": "/openapi.json",
     "corpus": "/corpus",
     "changes": "/corpus/changes.jsonl",
     "snapshot": "/corpus/snapshot.jsonl",
