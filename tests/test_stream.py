@@ -138,6 +138,46 @@ async def test_resume_with_last_event_id_at_random_points_applies_every_sequence
     assert applied == await _sequences(stack)
 
 
+async def test_the_hub_fills_holes_from_the_history_and_drops_duplicates(stack: Stack) -> None:
+    """Events reach the hub late, out of order, twice or not at all (a bounded node queue, a
+    publisher take-over): the hub reads every hole from the history and passes each sequence on
+    once, in order. No publisher runs here: the test publishes the events itself."""
+    import orjson
+
+    from infra.bus.base import EVENTS_EXCHANGE
+    from protocol.events import ChangeEvent
+
+    async def publish(sequence: int) -> None:
+        text = await stack.db.pool.fetchval("select event from changes where sequence = $1", sequence)
+        event = ChangeEvent(**orjson.loads(text))
+        await stack.bus.publish(EVENTS_EXCHANGE, event.routing_key, event)
+
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    resp = await _open(stack, "?after=0")
+    reader = frames(resp)
+    got = [int(f.id) for f in await _until_ready(reader) if f.id is not None]
+    await _write(stack, alice, cid, 6)
+    first, *_, last = await _sequences(stack)
+    # The hub has seen nothing yet: its first event starts it (no hole below a first event).
+    await publish(first)
+    # Then the last one: everything between is a hole, read from the history.
+    for sequence in (last, last, first, last - 2):
+        await publish(sequence)
+    await _write(stack, alice, cid, 2)
+    newer = (await _sequences(stack))[-2:]
+    for sequence in reversed(newer):  # out of order: the higher one fills the lower from the history
+        await publish(sequence)
+    async with asyncio.timeout(30):
+        async for frame in reader:
+            if frame.id is not None:
+                got.append(int(frame.id))
+                if got[-1] == newer[-1]:
+                    break
+    assert got == await _sequences(stack)
+    resp.close()
+
+
 async def test_filters(stack: Stack) -> None:
     alice = await stack.register()
     one = (await stack.conversation(alice, "one"))["conversation"]["id"]

@@ -167,7 +167,9 @@ class NotificationHub:
         self.last_sequence: int | None = None
         self._subscribers: set[Subscription] = set()
         self._consumer: Consumer | None = None
-        self._lock = asyncio.Lock()  # one event at a time: order and hole filling stay simple
+        # While a hole is being read from the history, later events wait here (see _on_event).
+        self._filling = False
+        self._waiting: list[Change] = []
         # Changes passed on since the last hand-over to the subscribers (see _publish).
         self._batch: list[Item] = []
         self._flush_scheduled = False
@@ -216,16 +218,45 @@ class NotificationHub:
         return len(self._subscribers)
 
     async def _on_event(self, delivery: Delivery) -> None:
+        """Pass an event on in sequence order.
+
+        The common case (the next sequence, or a duplicate) is handled without awaiting anything,
+        so no lock is needed and a burst of deliveries is handled in one turn of the event loop: a
+        lock would hand itself from waiter to waiter one loop turn each, and on a node busy with
+        thousands of streams a loop turn is long. Only a hole awaits (reading it from the history);
+        events arriving meanwhile wait in order behind it.
+        """
         event = delivery.message
         if not isinstance(event, ChangeEvent):
             return  # not ours to fan out; acked and forgotten (the node queue is ours alone)
-        async with self._lock:
-            last = self.last_sequence
-            if last is not None and event.sequence <= last:
-                return  # a duplicate (republished after a publisher take-over, or redelivered)
-            if last is not None and event.sequence > last + 1:
-                await self._fill(last, event.sequence)
-            self._publish(Change(event.sequence, event.type, event.partition, dumps(_envelope(event)).decode()))
+        change = Change(event.sequence, event.type, event.partition, dumps(_envelope(event)).decode())
+        if self._filling:
+            self._waiting.append(change)
+            return
+        last = self.last_sequence
+        if last is None or change.sequence == last + 1:
+            self._publish(change)
+        elif change.sequence > last + 1:
+            await self._after_hole(change)
+        # else: a duplicate (republished after a publisher take-over, or redelivered)
+
+    async def _after_hole(self, change: Change) -> None:
+        """Fill the hole below ``change``, pass it on, then everything that arrived meanwhile."""
+        self._filling = True
+        try:
+            pending = [change]
+            while pending:
+                current = pending.pop(0)
+                last = self.last_sequence
+                if last is not None and current.sequence <= last:
+                    continue  # a duplicate
+                if last is not None and current.sequence > last + 1:
+                    await self._fill(last, current.sequence)
+                self._publish(current)
+                if not pending and self._waiting:
+                    pending, self._waiting = sorted(self._waiting, key=lambda c: c.sequence), []
+        finally:
+            self._filling = False
 
     async def _fill(self, last: int, upto: int) -> None:
         """Pass on the changes strictly between ``last`` and ``upto`` from the history."""
