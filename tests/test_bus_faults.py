@@ -6,6 +6,7 @@ virtual host (see tests/services.py), as a network cut would.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -138,3 +139,48 @@ async def test_first_connect_to_a_closed_port_fails_fast_with_a_clear_message() 
     with pytest.raises(BusUnavailable):
         await bus.check()
     await bus.close()  # closing a bus that never connected is a no-op
+
+
+@pytest.mark.rabbitmq
+async def test_a_consumer_takes_a_burst_in_a_few_loop_turns(rabbitmq_url: str) -> None:
+    """aiormq passes frames from the connection to a channel through a queue of 10 (one hand-over
+    per loop turn); our consumers lift that bound (infra/bus/rabbitmq.py ``_subscribe``, which also
+    subscribes the channels a reconnect opens). Proof by behaviour: 200 messages wait in the queue;
+    the consumer subscribes and the loop is held while the broker pushes them (a process whose loop
+    turns are long, like a web node feeding thousands of streams); the consumer then starts all of
+    them within a few loop turns, where the bounded hand-over allows about three messages a turn."""
+    bus = await connected_bus(rabbitmq_url, "burst")
+    consumer = None
+    try:
+        queue = await bus.declare_queue(QueueSpec(unique_name("burst"), QueueKind.WORK))
+        await asyncio.gather(*(bus.publish("", queue, Probe(n=n, data="x"), timeout=30) for n in range(200)))
+        turns: list[int] = []
+        turn = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal turn
+            while True:
+                turn += 1
+                await asyncio.sleep(0)
+
+        async def handler(d: Delivery) -> None:
+            turns.append(turn)
+            if len(turns) == 200:
+                done.set()
+
+        tick = asyncio.create_task(ticker())
+        try:
+            consumer = await bus.consume(queue, handler, prefetch=500)
+            # Hold the loop (a long turn, not a synchronisation): the deliveries pile up unread.
+            time.sleep(0.5)  # noqa: ASYNC251 - blocking on purpose
+            async with asyncio.timeout(30):
+                await done.wait()
+        finally:
+            tick.cancel()
+        assert max(turns) - min(turns) <= 5, max(turns) - min(turns)
+    finally:
+        if consumer is not None:
+            await consumer.drain(2)
+        await cleanup_rabbit(bus)
+        await bus.close()

@@ -650,6 +650,14 @@ class _RabbitConsumer(Consumer):
     async def _subscribe(self) -> None:
         assert self._channel is not None
         underlay = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        # aiormq hands frames from the connection's reader to the channel's through a queue of 10
+        # frames (3 per message), one hand-over per event-loop turn: on a process whose loop turns
+        # are long (a web node feeding thousands of streams), that caps what it can consume far
+        # below what it can handle. Unbounded here, on a channel of ours that nothing has used yet;
+        # memory stays bounded by the prefetch (basic.qos), which limits unacknowledged deliveries.
+        # (The channel's reader is already waiting on that queue, so the bound is lifted in place.)
+        if underlay.frames.maxsize:
+            underlay.frames._maxsize = 0  # type: ignore[attr-defined]
         underlay.on_consumer_cancel_callbacks.add(self._on_broker_cancel)
         if self._tag not in underlay.consumers:
             await underlay.basic_consume(self.queue_name, self._on_message, consumer_tag=self._tag, timeout=30)
