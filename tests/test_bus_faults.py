@@ -148,7 +148,7 @@ async def test_a_consumer_takes_a_burst_in_a_few_loop_turns(rabbitmq_url: str) -
     subscribes the channels a reconnect opens). Proof by behaviour: 200 messages wait in the queue;
     the consumer subscribes and the loop is held while the broker pushes them (a process whose loop
     turns are long, like a web node feeding thousands of streams); the consumer then starts all of
-    them within a few loop turns, where the bounded hand-over allows about three messages a turn."""
+    them within ten loop turns, where the bounded hand-over allows about three messages a turn."""
     bus = await connected_bus(rabbitmq_url, "burst")
     consumer = None
     try:
@@ -173,12 +173,12 @@ async def test_a_consumer_takes_a_burst_in_a_few_loop_turns(rabbitmq_url: str) -
         try:
             consumer = await bus.consume(queue, handler, prefetch=500)
             # Hold the loop (a long turn, not a synchronisation): the deliveries pile up unread.
-            time.sleep(0.5)  # noqa: ASYNC251 - blocking on purpose
+            time.sleep(2.0)  # noqa: ASYNC251 - blocking on purpose (ample for 200 local deliveries)
             async with asyncio.timeout(30):
                 await done.wait()
         finally:
             tick.cancel()
-        assert max(turns) - min(turns) <= 5, max(turns) - min(turns)
+        assert max(turns) - min(turns) <= 10, max(turns) - min(turns)
     finally:
         if consumer is not None:
             await consumer.drain(2)
