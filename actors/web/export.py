@@ -331,12 +331,19 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
 
 # --- GET /corpus -------------------------------------------------------------------------------
 
+# Counts from the read models where they are exact (they commit with the changes they count): every
+# message is counted in its author's agent_activity, every conversation has one
+# conversation_activity row, and every change records exactly one message, assertion or retraction.
 _INFO = (
-    "select (select coalesce(max(sequence), 0) from changes) as head,"
+    "with counts as (select (select count(*) from agents) as agents,"
+    " (select count(*) from conversation_activity) as conversations,"
+    " (select coalesce(sum(message_count), 0) from agent_activity)::bigint as messages,"
+    " (select count(*) from relationships) as relationships,"
+    " (select count(*) from retractions) as retractions)"
+    " select (select coalesce(max(sequence), 0) from changes) as head,"
     " (select coalesce(min(sequence), 0) from changes) as earliest,"
-    " (select count(*) from agents) as agents, (select count(*) from conversations) as conversations,"
-    " (select count(*) from messages) as messages, (select count(*) from relationships) as relationships,"
-    " (select count(*) from changes) as changes")
+    " agents, conversations, messages, relationships, messages + relationships + retractions as changes"
+    " from counts")
 
 
 async def corpus_info(request: web.Request) -> web.Response:
