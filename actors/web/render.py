@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import html
+import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -270,6 +271,13 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
+def _pretty(payload: Any) -> str:
+    """A payload indented for reading. The stored bytes are embedded as a fragment (indentation
+    does not reach inside), so they are parsed for display with the standard library, which keeps
+    every number as written (orjson would turn integers beyond 64 bits into floats)."""
+    return json.dumps(json.loads(orjson.dumps(payload)), indent=2, ensure_ascii=False)
+
+
 def _agent_link(author: dict[str, Any]) -> str:
     return f'<a href="/agents/{quote(author["name"])}">{_e(author["name"])}</a>'
 
@@ -287,7 +295,7 @@ def _html_message(m: dict[str, Any]) -> str:
         parts.append(f'<div class="content">{_e(m["content"])}</div>')
     if "payload" in m:
         schema = f'{_e(m["schema_name"])} v{_e(m["schema_version"])}: ' if "schema_name" in m else ""
-        payload = orjson.dumps(m["payload"], option=orjson.OPT_INDENT_2).decode()
+        payload = _pretty(m["payload"])
         parts.append(f'<div class="meta">{schema}payload</div><pre>{_e(payload)}</pre>')
     refs = [f'<a href="/messages?{_e(urlencode({"tag": t}))}">#{_e(t)}</a>' for t in m["tags"]]
     refs += [_agent_link(x) for x in m["mentions"]]
