@@ -86,6 +86,7 @@ from bench.write import (
     content_of,
     private_vhost,
     quiet_product_logs,
+    scratch_database,
     stop_process,
 )
 from infra.bus import make_bus
@@ -103,25 +104,9 @@ COPY_QUERY = "SELECT event FROM changes ORDER BY sequence"
 # --- seeding -----------------------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def fresh_database(server_dsn: str, keep: bool) -> AsyncIterator[str]:
-    name = f"tm_bench_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(server_dsn)
-    try:
-        await admin.execute(f'create database "{name}"')
-    finally:
-        await admin.close()
-    try:
-        yield urlsplit(server_dsn)._replace(path="/" + name).geturl()
-    finally:
-        if keep:
-            print(f"kept database {name}")
-        else:
-            admin = await asyncpg.connect(server_dsn)
-            try:
-                await admin.execute(f'drop database if exists "{name}" with (force)')
-            finally:
-                await admin.close()
+def fresh_database(server_dsn: str, keep: bool) -> contextlib.AbstractAsyncContextManager[str]:
+    """A new database with a random ``tm_bench_`` name on the server of ``server_dsn``."""
+    return scratch_database(server_dsn, f"tm_bench_{uuid.uuid4().hex[:12]}", keep=keep)
 
 
 async def seed(dsn: str, changes: int, per_conversation: int, size: int) -> int:

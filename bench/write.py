@@ -244,8 +244,9 @@ async def private_vhost(amqp_url: str, mode: str, name: str) -> AsyncIterator[st
 
 
 @contextlib.asynccontextmanager
-async def scratch_database(server_dsn: str, name: str) -> AsyncIterator[str]:
-    """Create database ``name`` on the server of ``server_dsn``, yield its DSN, drop it afterwards."""
+async def scratch_database(server_dsn: str, name: str, *, keep: bool = False) -> AsyncIterator[str]:
+    """Create database ``name`` on the server of ``server_dsn``, yield its DSN, drop it afterwards
+    (unless ``keep``: then say that it was kept)."""
     admin = await asyncpg.connect(server_dsn)
     try:
         await admin.execute(f'create database "{name}"')
@@ -254,12 +255,15 @@ async def scratch_database(server_dsn: str, name: str) -> AsyncIterator[str]:
     try:
         yield urlsplit(server_dsn)._replace(path="/" + name).geturl()
     finally:
-        admin = await asyncpg.connect(server_dsn)
-        try:
-            # FORCE ends sessions still open (a node process that was killed, a pool left behind).
-            await admin.execute(f'drop database if exists "{name}" with (force)')
-        finally:
-            await admin.close()
+        if keep:
+            print(f"kept database {name}")
+        else:
+            admin = await asyncpg.connect(server_dsn)
+            try:
+                # FORCE ends sessions still open (a node process that was killed, a pool left behind).
+                await admin.execute(f'drop database if exists "{name}" with (force)')
+            finally:
+                await admin.close()
 
 
 async def stop_process(node: NodeProcess) -> None:
