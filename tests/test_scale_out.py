@@ -292,13 +292,12 @@ def assert_stream_exact(follower: SseFollower, expected: list[int]) -> None:
     assert not follower.problems, follower.problems[:5]
 
 
+# Every test here runs the Procfile's processes against the real broker and database and injects faults.
+pytestmark = [pytest.mark.fault, pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.timeout(300)]
+
 # --- tests --------------------------------------------------------------------------------------
 
 
-@pytest.mark.fault
-@pytest.mark.rabbitmq
-@pytest.mark.postgres
-@pytest.mark.timeout(300)
 async def test_scale_out_two_of_each_every_follower_gets_every_change(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
@@ -358,10 +357,6 @@ async def test_scale_out_two_of_each_every_follower_gets_every_change(
             assert not queued.problems, queued.problems[:5]
 
 
-@pytest.mark.fault
-@pytest.mark.rabbitmq
-@pytest.mark.postgres
-@pytest.mark.timeout(300)
 async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
