@@ -74,10 +74,6 @@ class Subscription:
         """Items waiting to be taken."""
         return len(self._items)
 
-    def offer(self, change: Change, frame: bytes) -> None:
-        """Queue one change (see :meth:`offer_many`)."""
-        self.offer_many([(change, frame)])
-
     def offer_many(self, batch: list[Item]) -> None:
         """Queue changes; a subscriber that would hold more than ``maxsize`` is cut off instead."""
         if self.closed:

@@ -67,7 +67,8 @@ class _Where:
 _AGENT_BY_NAME = "(select agent_id from agents where lower(name) = lower({}))"
 
 
-def _path_uuid(request: web.Request, what: str) -> str:
+def _path_uuid(request: web.Request) -> str:
+    """The ``{id}`` of the path, canonical, or 400 naming ``id``."""
     return Query({"id": request.match_info["id"]}, ("id",)).uuid("id") or ""
 
 
@@ -189,7 +190,7 @@ async def get_message(request: web.Request) -> web.Response:
     """``GET /messages/{id}``: one message."""
     media = choose(request, BROWSABLE_TYPES)
     Query(request.query, ())
-    message_id = _path_uuid(request, "message")
+    message_id = _path_uuid(request)
     row = await request.app[NODE].db.pool.fetchrow(
         f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM} where f.message_id = $1", message_id)
     if row is None:
@@ -302,7 +303,7 @@ async def get_conversation(request: web.Request) -> web.Response:
     media = choose(request, BROWSABLE_TYPES)
     q = Query(request.query, _CONVERSATION_PARAMS)
     after, limit = q.sequence("after"), q.limit()
-    conversation_id = _path_uuid(request, "conversation")
+    conversation_id = _path_uuid(request)
     async with request.app[NODE].db.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
                                                                               readonly=True):
         head = await conn.fetchrow(CONVERSATION_SQL, conversation_id)
