@@ -119,3 +119,64 @@ async def read_json(request: web.Request, *, allow_empty: bool = False) -> objec
     except orjson.JSONDecodeError:
         raise BadRequest("The request body is not valid JSON.", code="invalid_json",
                          how_to_proceed="Send a JSON object encoded as UTF-8.") from None
+
+
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """``If-None-Match`` against ``etag``, with the weak comparison RFC 9110 prescribes for it:
+    any listed tag equal but for a ``W/`` prefix, or ``*``."""
+    if not if_none_match:
+        return False
+    for candidate in if_none_match.split(","):
+        candidate = candidate.strip()
+        if candidate == "*" or candidate.removeprefix("W/") == etag:
+            return True
+    return False
+
+
+def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:
+    """Pick one of ``produced`` (in server preference order) for an ``Accept`` header, or None.
+
+    No header (or a blank one) means the first produced type. For each produced type, the most
+    specific matching range (``type/sub`` over ``type/*`` over ``*/*``) gives its quality; the
+    highest non-zero quality wins, then the more specific match, then server preference.
+    """
+    if accept is None or not accept.strip():
+        return produced[0]
+    ranges: list[tuple[str, str, float]] = []
+    for part in accept.split(","):
+        fields = [f.strip() for f in part.split(";")]
+        media = fields[0].lower()
+        if "/" not in media:
+            continue
+        main, sub = media.split("/", 1)
+        q = 1.0
+        for param in fields[1:]:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0
+        ranges.append((main, sub, min(max(q, 0.0), 1.0)))
+    best: tuple[float, int, int] | None = None
+    chosen: str | None = None
+    for preference, media in enumerate(produced):
+        main, sub = media.split("/", 1)
+        match: tuple[int, float] | None = None
+        for r_main, r_sub, q in ranges:
+            if r_main == main and r_sub == sub:
+                specificity = 2
+            elif r_main == main and r_sub == "*":
+                specificity = 1
+            elif r_main == "*" and r_sub == "*":
+                specificity = 0
+            else:
+                continue
+            if match is None or specificity > match[0]:
+                match = (specificity, q)
+        if match is None or match[1] <= 0:
+            continue
+        rank = (match[1], match[0], -preference)
+        if best is None or rank > best:
+            best, chosen = rank, media
+    return chosen

@@ -12,9 +12,7 @@ None of these go through the bus: they touch only the ``agents`` table (and read
 
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
 import uuid
 from datetime import UTC
 from email.utils import format_datetime
@@ -27,8 +25,9 @@ from markdown_it import MarkdownIt
 from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
+from actors.web.render import page_headers
 from infra.db.pool import Database, Target
-from infra.http import json_response, read_json
+from infra.http import etag_matches, json_response, negotiate, read_json
 from infra.logs import get_logger
 from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
 from protocol.agents import (
@@ -179,7 +178,7 @@ async def guide(request: web.Request) -> web.Response:
                "Cache-Control": "no-cache"}
     if current.updated_at is not None:
         headers["Last-Modified"] = format_datetime(current.updated_at.astimezone(UTC), usegmt=True)
-    if not authorized and _etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
+    if not authorized and etag_matches(request.headers.get("If-None-Match"), headers["ETag"]):
         return web.Response(status=304, headers=headers)
     if agent is not None and not agent.onboarded:
         await node.db.pool.execute(
@@ -209,15 +208,6 @@ def guide_body(current: Guide, *, onboarded: bool = False) -> dict[str, Any]:
     return out
 
 
-def _etag_matches(if_none_match: str | None, etag: str) -> bool:
-    """``If-None-Match`` against ``etag`` with the weak comparison RFC 9110 prescribes for it."""
-    if if_none_match is None:
-        return False
-    if if_none_match.strip() == "*":
-        return True
-    return any(tag.strip().removeprefix("W/") == etag for tag in if_none_match.split(","))
-
-
 # --- the guide as an HTML page --------------------------------------------------------------------
 
 _GUIDE_STYLE = """
@@ -232,14 +222,7 @@ footer { margin-top: 2rem; font-size: .85rem; color: #6b7280; }
 """
 # The page is the same bytes for every request of one version (its ETag promises that), so its one
 # inline style is allowed by hash rather than by a per-response nonce. No script at all.
-_GUIDE_STYLE_HASH = base64.b64encode(hashlib.sha256(_GUIDE_STYLE.encode()).digest()).decode()
-_GUIDE_PAGE_HEADERS = {
-    "Content-Security-Policy": (
-        f"default-src 'none'; style-src 'sha256-{_GUIDE_STYLE_HASH}'; img-src 'self'; "
-        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-}
+_GUIDE_PAGE_HEADERS = page_headers(_GUIDE_STYLE)
 
 
 @functools.cache
@@ -298,52 +281,3 @@ async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str,
         "conversation_count": row["conversation_count"],
         "last_sequence": row["last_sequence"],
     }
-
-
-def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:
-    """Pick one of ``produced`` (in server preference order) for an ``Accept`` header, or None.
-
-    No header (or a blank one) means the first produced type. For each produced type, the most
-    specific matching range (``type/sub`` over ``type/*`` over ``*/*``) gives its quality; the
-    highest non-zero quality wins, then the more specific match, then server preference.
-    """
-    if accept is None or not accept.strip():
-        return produced[0]
-    ranges: list[tuple[str, str, float]] = []
-    for part in accept.split(","):
-        fields = [f.strip() for f in part.split(";")]
-        media = fields[0].lower()
-        if "/" not in media:
-            continue
-        main, sub = media.split("/", 1)
-        q = 1.0
-        for param in fields[1:]:
-            name, _, value = param.partition("=")
-            if name.strip().lower() == "q":
-                try:
-                    q = float(value.strip())
-                except ValueError:
-                    q = 0.0
-        ranges.append((main, sub, min(max(q, 0.0), 1.0)))
-    best: tuple[float, int, int] | None = None
-    chosen: str | None = None
-    for preference, media in enumerate(produced):
-        main, sub = media.split("/", 1)
-        match: tuple[int, float] | None = None
-        for r_main, r_sub, q in ranges:
-            if r_main == main and r_sub == sub:
-                specificity = 2
-            elif r_main == main and r_sub == "*":
-                specificity = 1
-            elif r_main == "*" and r_sub == "*":
-                specificity = 0
-            else:
-                continue
-            if match is None or specificity > match[0]:
-                match = (specificity, q)
-        if match is None or match[1] <= 0:
-            continue
-        rank = (match[1], match[0], -preference)
-        if best is None or rank > best:
-            best, chosen = rank, media
-    return chosen

@@ -28,10 +28,9 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from actors.web import rows
-from actors.web.agents import negotiate
 from actors.web.context import NODE
 from infra.db.pool import connection
-from infra.http import json_response
+from infra.http import json_response, negotiate
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable

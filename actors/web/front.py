@@ -27,9 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
-from actors.web.agents import negotiate
 from actors.web.context import NODE
-from infra.http import json_response
+from infra.http import json_response, negotiate
 from protocol import representations as rep
 from protocol.errors import NotAcceptable, ServiceUnavailable
 

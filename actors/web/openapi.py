@@ -21,6 +21,7 @@ from aiohttp import web
 
 from actors.web import export
 from actors.web.context import NODE
+from infra.http import etag_matches
 from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from protocol import query
 from protocol.agents import DESCRIPTION_MAX_CHARS, GUIDE_VERSION
@@ -783,7 +784,6 @@ async def openapi(request: web.Request) -> web.Response:
     """The document, with an ETag honoured by If-None-Match (304)."""
     body, etag = request.app[_DOCUMENT]
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    inm = request.headers.get("If-None-Match")
-    if inm and any(t.strip() in ("*", etag, "W/" + etag) for t in inm.split(",")):
+    if etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers=headers)
     return web.Response(body=body, headers=headers, content_type=JSON)

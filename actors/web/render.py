@@ -17,10 +17,10 @@ bytes and their type) honoured by ``If-None-Match`` with 304, ``Link`` rel next/
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import html
 import json
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -31,7 +31,7 @@ from urllib.parse import quote, urlencode
 import orjson
 from aiohttp import web
 
-from actors.web.agents import negotiate
+from infra.http import etag_matches, negotiate
 from protocol.errors import NotAcceptable
 
 JSON = "application/json"
@@ -109,11 +109,8 @@ def respond(request: web.Request, doc: Document, media: str) -> web.Response:
     elif media == MARKDOWN:
         body = to_markdown(doc).encode()
     else:
-        nonce = secrets.token_urlsafe(18)
-        body = to_html(doc, nonce).encode()
-    # The HTML page embeds a fresh nonce, so hash it without one: equal content, equal ETag.
-    tag_source = to_html(doc, "").encode() if media == HTML else body
-    etag = '"' + hashlib.sha256(media.encode() + b"\0" + tag_source).hexdigest()[:32] + '"'
+        body = to_html(doc).encode()
+    etag = '"' + hashlib.sha256(media.encode() + b"\0" + body).hexdigest()[:32] + '"'
     headers = {"Vary": "Accept", "ETag": etag, "Cache-Control": doc.cache_control}
     link = ", ".join(f'<{url}>; rel="{rel}"' for rel, url in doc.links.items() if url)
     if link:
@@ -122,25 +119,11 @@ def respond(request: web.Request, doc: Document, media: str) -> web.Response:
         headers["X-Next-Cursor"] = str(doc.cursor)
     if doc.last_modified is not None:
         headers["Last-Modified"] = format_datetime(doc.last_modified, usegmt=True)
-    if _matches(request.headers.get("If-None-Match"), etag):
+    if etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers=headers)
     if media == HTML:
-        headers.update({
-            "Content-Security-Policy": (
-                f"default-src 'none'; style-src 'nonce-{nonce}'; img-src 'self'; base-uri 'none'; "
-                "form-action 'self'; frame-ancestors 'none'"),
-            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+        headers.update(_PAGE_HEADERS)
     return web.Response(body=body, headers=headers, content_type=media, charset="utf-8")
-
-
-def _matches(if_none_match: str | None, etag: str) -> bool:
-    if not if_none_match:
-        return False
-    for candidate in if_none_match.split(","):
-        candidate = candidate.strip()
-        if candidate == "*" or candidate.removeprefix("W/") == etag:
-            return True
-    return False
 
 
 def link(path: str, query: dict[str, str] | None = None) -> str:
@@ -267,6 +250,26 @@ table { border-collapse: collapse; } td, th { padding: .2rem .8rem .2rem 0; text
 """
 
 
+
+def page_headers(style: str, *, form_action: str = "'none'") -> dict[str, str]:
+    """Security headers of a server-rendered page with no script and one inline ``style``.
+
+    The style is allowed by its hash, not by a per-response nonce: the page is then the same bytes
+    on every request, so it is rendered once and its ETag is a hash of what is sent.
+    """
+    digest = base64.b64encode(hashlib.sha256(style.encode()).digest()).decode()
+    return {
+        "Content-Security-Policy": (
+            f"default-src 'none'; style-src 'sha256-{digest}'; img-src 'self'; base-uri 'none'; "
+            f"form-action {form_action}; frame-ancestors 'none'"),
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+    }
+
+
+#: The read pages' headers; their search form submits to this origin.
+_PAGE_HEADERS = page_headers(_STYLE, form_action="'self'")
+
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
@@ -375,8 +378,8 @@ def _html_body(doc: Document) -> str:
     return total + (items or "<p>Nothing here.</p>") + _pager(body.get("prev"), body.get("next"))
 
 
-def to_html(doc: Document, nonce: str) -> str:
-    """A complete HTML5 page for ``doc``: escaped throughout, no script, style by nonce."""
+def to_html(doc: Document) -> str:
+    """A complete HTML5 page for ``doc``: escaped throughout, no script, its one style allowed by hash."""
     nav = "".join(f'<a href="{href}">{name}</a>' for name, href in (
         ("Home", "/"), ("Conversations", "/conversations"), ("Messages", "/messages"), ("Agents", "/agents"),
         ("Tags", "/tags"), ("Guide", "/guide")))
@@ -388,7 +391,7 @@ def to_html(doc: Document, nonce: str) -> str:
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(doc.title)} · ToastMachine</title>
-<style nonce="{_e(nonce)}">{_STYLE}</style>
+<style>{_STYLE}</style>
 </head>
 <body>
 <nav class="top">{nav}{search}</nav>
