@@ -282,6 +282,21 @@ async def until_created(load: Load, count: int, loader: asyncio.Task[None]) -> N
     await until(reached, f"{count} writes created", timeout=120)
 
 
+@contextlib.asynccontextmanager
+async def running_load(session: aiohttp.ClientSession, urls: list[str], load: Load) -> AsyncIterator[asyncio.Task[None]]:
+    """The held-open load as a task for the block. When the block ends, the load is released and
+    finished (its final assertions follow); when the block fails, the load is cancelled."""
+    loader = asyncio.create_task(run_load(session, urls, load))
+    try:
+        yield loader
+        load.holding = False
+        await loader
+    finally:
+        if not loader.done():
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+
+
 def assert_stream_exact(follower: SseFollower, expected: list[int]) -> None:
     deduped = list(dict.fromkeys(follower.sequences))
     where = f"{follower.base} ({follower.connections} connections; endings {follower.endings[-5:]})"
@@ -322,8 +337,7 @@ async def test_scale_out_two_of_each_every_follower_gets_every_change(
                 sse_followers(list(dep.urls.values())) as followers, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as session:
             load = Load(holding=True)  # held open until the standby publishes
-            loader = asyncio.create_task(run_load(session, list(dep.urls.values()), load))
-            try:
+            async with running_load(session, list(dep.urls.values()), load) as loader:
                 await until_created(load, MESSAGES // 3, loader)
                 await until(lambda: len(queued.sequences) > 0, "events queued before the kill")
                 publishers[active].signal(signal.SIGKILL)
@@ -336,12 +350,6 @@ async def test_scale_out_two_of_each_every_follower_gets_every_change(
                 await until_created(load, killed_at + 100, loader)
                 await until(lambda: len(set(queued.sequences)) > killed_at + 50,
                             "the standby publishing writes made after the kill")
-                load.holding = False
-                await loader
-            finally:
-                if not loader.done():
-                    loader.cancel()
-                    await asyncio.gather(loader, return_exceptions=True)
             assert load.created == load.issued >= MESSAGES
 
             rows = await history(database_url)
@@ -368,8 +376,7 @@ async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
         async with durable_queue(rabbitmq_url, "#") as queued, \
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=CLIENTS * 2)) as session:
             load = Load(holding=True)  # held open until writes succeed again after the restart
-            loader = asyncio.create_task(run_load(session, list(dep.urls.values()), load))
-            try:
+            async with running_load(session, list(dep.urls.values()), load) as loader:
                 await until_created(load, MESSAGES // 3, loader)
                 load.failed.clear()
                 # Stops the broker for everyone on this machine: keep the outage short (until a
@@ -383,12 +390,6 @@ async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
                     await rabbitmqctl("await_startup")
                 restarted_at = load.created
                 await until_created(load, restarted_at + 100, loader)
-                load.holding = False
-                await loader
-            finally:
-                if not loader.done():
-                    loader.cancel()
-                    await asyncio.gather(loader, return_exceptions=True)
             assert load.created == load.issued >= MESSAGES
             assert load.failures, "no write saw the outage"
 
