@@ -130,6 +130,41 @@ async def test_topic_routing_with_star_and_hash(bus: Bus) -> None:
         await stop(*consumers)
 
 
+async def test_exchange_to_exchange_bindings_route_like_a_publish_on_the_destination(bus: Bus) -> None:
+    """A corpus's events exchange bound into ``tm.events``: what matches the exchange binding is
+    routed by the destination with the same key; a queue reached over two paths, or through a
+    cycle of exchange bindings, gets one copy; an unbound queue gets nothing more."""
+    source, destination = await exchange(bus), await exchange(bus)
+    await bus.bind_exchange(destination, source, "message.#")
+    await bus.bind_exchange(source, destination, "#")  # a cycle must not loop or duplicate
+    on_destination, on_both, unbound = await node_queue(bus), await node_queue(bus), await node_queue(bus)
+    await bus.bind(on_destination, destination, "*.appended.*")
+    await bus.bind(on_both, source, "#")
+    await bus.bind(on_both, destination, "#")
+    await bus.bind(unbound, destination, "#")
+    await bus.unbind(unbound, destination, "#")
+    await bus.unbind(unbound, destination, "never.bound")  # removing nothing is a no-op
+    await bus.unbind(unique_name("missing"), destination, "#")  # so is a queue that does not exist
+    inboxes = {q: Inbox() for q in (on_destination, on_both, unbound)}
+    consumers = [await bus.consume(q, inbox, prefetch=10) for q, inbox in inboxes.items()]
+    try:
+        keys = ["message.appended.3", "relationship.asserted.1", "message.other"]
+        for n, key in enumerate(keys):
+            await bus.publish(source, key, Probe(n=n, data=key))
+        for q in inboxes:
+            await bus.publish("", q, Probe(n=SENTINEL))
+        for inbox in inboxes.values():
+            await inbox.wait_for_probe(SENTINEL)
+        assert [d.message.data for d in inboxes[on_destination].items[:-1]] == ["message.appended.3"]  # type: ignore[union-attr]
+        assert inboxes[on_destination].items[0].routing_key == "message.appended.3"
+        assert inboxes[on_both].numbers == [0, 1, 2, SENTINEL]
+        assert inboxes[unbound].numbers == [SENTINEL]
+    finally:
+        await stop(*consumers)
+    with pytest.raises(BusError):
+        await bus.bind_exchange(unique_name("missing"), source, "#")
+
+
 async def test_publish_to_a_missing_exchange_fails(bus: Bus) -> None:
     with pytest.raises(BusError):
         await bus.publish(unique_name("missing"), "x", Probe(n=1), timeout=5)

@@ -4,6 +4,9 @@ Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, o
 
 * Exchanges are topic exchanges. Routing keys are dot-separated words; binding patterns use ``*``
   (exactly one word) and ``#`` (zero or more words).
+* An exchange may be bound into another (:meth:`Bus.bind_exchange`): a message published on the
+  source whose key matches the pattern is routed by the destination too, with the same routing key,
+  as if published there. A queue reached over several paths gets one copy; cycles are harmless.
 * :meth:`Bus.publish` returns only once the broker has confirmed the message (publisher confirms).
   While the connection is down it waits for the reconnect and publishes again, up to ``timeout``;
   then it raises :class:`BusUnavailable`. A message confirmed once may be delivered more than once
@@ -215,6 +218,14 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def bind(self, queue: str, exchange: str, pattern: str) -> None:
         """Route messages whose routing key matches ``pattern`` on ``exchange`` into ``queue``."""
+
+    @abc.abstractmethod
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
+        """Remove the binding of ``queue`` to ``exchange`` with ``pattern`` (a no-op if there is none)."""
+
+    @abc.abstractmethod
+    async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
+        """Route messages whose routing key matches ``pattern`` on ``source`` into exchange ``destination``."""
 
     @abc.abstractmethod
     async def publish(

@@ -7,7 +7,9 @@ simplifying it:
 * Publishing runs the real codec: the message is encoded to bytes, stored as bytes, and decoded
   again for each delivery, so a body the codec rejects is dead-lettered exactly as on RabbitMQ.
 * Topic exchanges match ``*`` (one word) and ``#`` (zero or more words); the default exchange
-  ``""`` routes to the queue named by the routing key.
+  ``""`` routes to the queue named by the routing key. An exchange bound into another routes what
+  matches on to it with the same key; each queue gets one copy however many paths reach it, and
+  a cycle of exchange bindings ends where it started (RabbitMQ's exchange-to-exchange bindings).
 * WORK queues keep a per-message failure count (RabbitMQ's ``x-delivery-count``): a message given
   back by a nack or by a consumer that went away is redelivered with ``redelivered=True`` until it
   has been delivered ``delivery_limit`` times, then dead-lettered with reason ``delivery_limit``.
@@ -254,6 +256,7 @@ class MemoryBus(Bus):
         self.max_queue_length = max_queue_length
         self._open = False
         self._exchanges: dict[str, set[tuple[str, str]]] = {}  # exchange -> {(pattern, queue)}
+        self._exchange_bindings: dict[str, set[tuple[str, str]]] = {}  # source -> {(pattern, destination)}
         self._queues: dict[str, _Queue] = {}
         self._consumers: set[_MemoryConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
@@ -335,6 +338,19 @@ class MemoryBus(Bus):
             raise BusError(f"no queue named {queue!r}")
         self._exchanges[exchange].add((pattern, queue))
 
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
+        self._ensure_open()
+        self._exchanges.get(exchange, set()).discard((pattern, queue))
+
+    async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
+        self._ensure_open()
+        for name in (destination, source):
+            if not name:
+                raise BusError("the default exchange cannot be bound to or from")
+            if name not in self._exchanges:
+                raise BusError(f"no exchange named {name!r}")
+        self._exchange_bindings.setdefault(source, set()).add((pattern, destination))
+
     async def delete_queue(self, name: str) -> None:
         """Delete a queue and its bindings; its consumers stop (for tests and operations)."""
         self._ensure_open()
@@ -353,6 +369,10 @@ class MemoryBus(Bus):
         """Delete an exchange and its bindings (for tests and operations)."""
         self._ensure_open()
         self._exchanges.pop(name, None)
+        self._exchange_bindings.pop(name, None)
+        for bindings in self._exchange_bindings.values():
+            for binding in [b for b in bindings if b[1] == name]:
+                bindings.discard(binding)
 
     # --- publishing --------------------------------------------------------------------------
 
@@ -420,10 +440,18 @@ class MemoryBus(Bus):
         if exchange == "":
             queue = self._queues.get(routing_key)
             return [queue] if queue is not None else []
-        bindings = self._exchanges.get(exchange)
-        if bindings is None:
+        if exchange not in self._exchanges:
             raise BusError(f"no exchange named {exchange!r}")
-        names = {q for pattern, q in bindings if topic_matches(pattern, routing_key)}
+        names: set[str] = set()
+        # Breadth-first over exchange-to-exchange bindings; ``seen`` ends cycles and diamonds.
+        seen, frontier = {exchange}, [exchange]
+        while frontier:
+            current = frontier.pop()
+            names.update(q for pattern, q in self._exchanges.get(current, ()) if topic_matches(pattern, routing_key))
+            for pattern, destination in self._exchange_bindings.get(current, ()):
+                if destination not in seen and topic_matches(pattern, routing_key):
+                    seen.add(destination)
+                    frontier.append(destination)
         return [self._queues[n] for n in sorted(names) if n in self._queues]
 
     async def _wait_for_room(self, targets: list[_Queue], timeout: float) -> None:

@@ -301,6 +301,35 @@ class RabbitBus(Bus):
 
         await self._admin_call(do(), f"bind {queue!r} to {exchange!r} with {pattern!r}")
 
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
+        _, _, _ = self._channels()
+        connection = self._connection
+        assert connection is not None
+
+        async def do() -> None:
+            # A channel of its own: RabbitMQ closes the channel of a command naming a missing queue
+            # or exchange, and "nothing to unbind" must not disturb the channels in use.
+            channel = await connection.channel(publisher_confirms=False)
+            try:
+                underlay = await channel.get_underlay_channel()
+                await underlay.queue_unbind(queue=queue, exchange=exchange, routing_key=pattern)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return  # no such queue or exchange: no such binding either
+            finally:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+
+        await self._admin_call(do(), f"unbind {queue!r} from {exchange!r} with {pattern!r}")
+
+    async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
+        admin, _, _ = self._channels()
+
+        async def do() -> None:
+            target = await admin.get_exchange(destination, ensure=False)
+            await target.bind(source, pattern)
+
+        await self._admin_call(do(), f"bind exchange {destination!r} to {source!r} with {pattern!r}")
+
     async def delete_queue(self, name: str) -> None:
         """Delete a queue (for tests and operations). Consumers of it stop."""
         admin, _, _ = self._channels()

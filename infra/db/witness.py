@@ -16,6 +16,7 @@ import asyncpg
 from infra.db.pool import Target, connection
 from infra.logs import get_logger
 from protocol.errors import LineageMismatch
+from protocol.routing import CorpusScope
 
 log = get_logger("toastmachine.db.witness")
 
@@ -28,6 +29,11 @@ class CorpusIdentity:
     corpus_id: UUID
     #: Which history of that corpus; a restore into a new database gets a fresh one.
     lineage: UUID
+
+    @property
+    def scope(self) -> CorpusScope:
+        """The corpus binding of this identity's bus traffic (queue, routing keys, headers)."""
+        return CorpusScope(str(self.corpus_id), str(self.lineage))
 
 
 async def read_identity(target: Target) -> CorpusIdentity | None:
