@@ -19,7 +19,12 @@ one's death (its connection closes, PostgreSQL releases the lock). The active on
 and moves the cursor on that same connection: if it drops, the publisher stops publishing at once
 (another may already have taken over) and goes back to standby.
 
-Emits: events on ``tm.events``, at least once each. A publisher that dies between a confirm and the
+Emits: events on its corpus's exchange ``tm.events.<corpus_id>`` (:mod:`protocol.routing`), which it
+binds into ``tm.events`` with ``#`` at start-up so that ``tm.events`` still carries every event of
+every corpus sharing the broker; at least once each. Every event carries its corpus headers; an
+envelope in the history that names another corpus or lineage than the publisher's identity stops
+the publisher (it is never published under this corpus's name). A publisher whose node failed the
+corpus identity check publishes nothing. A publisher that dies between a confirm and the
 cursor update, or loses its lock mid-window, leaves events that the next active one publishes
 again; consumers deduplicate on the sequence (the notification hub does).
 """
@@ -35,8 +40,8 @@ import asyncpg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from infra.bus.base import EVENTS_EXCHANGE, Bus, HeaderValue
-from infra.db import Database
+from infra.bus.base import Bus, HeaderValue, declare_corpus_events
+from infra.db import CorpusIdentity, Database
 from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
 from infra.logs import TRACE_HEADER
 from infra.runtime import Actor
@@ -151,8 +156,10 @@ class EventPublisher(Actor):
     """The event publisher actor (see the module docstring).
 
     Args:
-        bus: where events are published (``tm.events``).
+        bus: where events are published (``tm.events.<corpus_id>``, bound into ``tm.events``).
         db: the database; its pool is only used for the lock session when ``dsn`` is None.
+        identity: the database's corpus identity: names the exchange and is checked against every
+            envelope. None when the identity check failed: nothing is published.
         node_id: this process's name; the lock connection's ``application_name`` carries it.
         dsn: PostgreSQL DSN for the dedicated lock connection (None: borrow one from ``db``'s pool).
         batch_size: changes read per query.
@@ -164,7 +171,8 @@ class EventPublisher(Actor):
 
     name = "publisher"
 
-    def __init__(self, bus: Bus, db: Database, *, node_id: str, dsn: str | None = None,
+    def __init__(self, bus: Bus, db: Database, *, node_id: str, identity: CorpusIdentity | None,
+                 dsn: str | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, window: int = DEFAULT_WINDOW,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
                  standby_interval: float = DEFAULT_STANDBY_INTERVAL,
@@ -173,6 +181,7 @@ class EventPublisher(Actor):
         self.bus = bus
         self.db = db
         self.node_id = node_id
+        self.scope = identity.scope if identity is not None else None
         self.dsn = dsn
         self.batch_size = max(1, batch_size)
         self.window = max(1, min(window, self.batch_size))
@@ -214,7 +223,19 @@ class EventPublisher(Actor):
 
     # --- main loop ---------------------------------------------------------------------------
 
+    async def setup(self) -> None:
+        if self.scope is None:
+            return
+        await declare_corpus_events(self.bus, self.scope.events_exchange)
+
     async def run(self) -> None:
+        if self.scope is None:
+            # The node refuses writes and sync (SPEC §4); publishing its history under an identity
+            # it cannot vouch for would be the one kind of sync it still did.
+            self.log.error("publisher.identity_unavailable", detail="the corpus identity check failed; "
+                           "publishing nothing until the operator fixes it")
+            await self._stop_requested.wait()
+            return
         session: _LockSession | None = None
         standby_logged = False
         unavailable_logged = False
@@ -347,15 +368,26 @@ class EventPublisher(Actor):
         return confirmed, None
 
     async def _send(self, event: ChangeEvent, trace_id: str | None) -> None:
+        assert self.scope is not None
         headers: dict[str, HeaderValue] = dict(event_headers(event))
         if trace_id:
             headers[TRACE_HEADER] = trace_id
-        await self.bus.publish(EVENTS_EXCHANGE, event.routing_key, event, headers=headers,
+        await self.bus.publish(self.scope.events_exchange, event.routing_key, event, headers=headers,
                                message_id=event.message_id, timeout=self.publish_timeout)
         self.published += 1
 
+    def _decode(self, row: Any) -> ChangeEvent:
+        event = self._decode_row(row)
+        assert self.scope is not None
+        refusal = self.scope.refusal(event_headers(event), corpus_id=event.corpus_id, lineage=event.lineage)
+        if refusal is not None:
+            # A history holding another corpus's envelopes (a botched restore or copy): publishing
+            # them here would hand every consumer of this corpus changes that are not its own.
+            raise PublisherError(f"change {event.sequence} cannot be published: {refusal}")
+        return event
+
     @staticmethod
-    def _decode(row: Any) -> ChangeEvent:
+    def _decode_row(row: Any) -> ChangeEvent:
         sequence = row["sequence"]
         try:
             event = decode_message(ChangeEvent.TYPE, row["event"].encode())

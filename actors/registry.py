@@ -23,7 +23,7 @@ def _publisher(node: Node) -> Actor:
     export_metrics(node.metrics.registry,
                    lambda: node.supervisor.actors.get("publisher") if node.supervisor is not None else None)
     dsn = node.settings.database_url or (node.embedded.dsn if node.embedded is not None else None)
-    return EventPublisher(node.bus, node.db, node_id=node.settings.node_id, dsn=dsn)
+    return EventPublisher(node.bus, node.db, node_id=node.settings.node_id, identity=node.identity, dsn=dsn)
 
 
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).

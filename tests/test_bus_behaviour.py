@@ -142,9 +142,9 @@ async def test_exchange_to_exchange_bindings_route_like_a_publish_on_the_destina
     await bus.bind(on_both, source, "#")
     await bus.bind(on_both, destination, "#")
     await bus.bind(unbound, destination, "#")
-    await bus.unbind(unbound, destination, "#")
-    await bus.unbind(unbound, destination, "never.bound")  # removing nothing is a no-op
-    await bus.unbind(unique_name("missing"), destination, "#")  # so is a queue that does not exist
+    assert await bus.unbind(unbound, destination, "#")
+    assert await bus.unbind(unbound, destination, "never.bound")  # removing nothing is a no-op
+    assert not await bus.unbind(unique_name("missing"), destination, "#")  # so is a missing queue
     inboxes = {q: Inbox() for q in (on_destination, on_both, unbound)}
     consumers = [await bus.consume(q, inbox, prefetch=10) for q, inbox in inboxes.items()]
     try:

@@ -1,4 +1,5 @@
-"""The corpus writer's command path: ping round trip, deadlines, unknown commands, identity refusal."""
+"""The corpus writer's command path: ping round trip, deadlines, unknown commands, identity refusal,
+foreign commands refused and dead-lettered, the single-corpus topology's binding removed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from actors.writer import WRITER_QUEUE, CorpusWriter
+import orjson
+import pytest
+
+from actors.writer import CorpusWriter, writer_queue
 from infra.bus.base import (
     COMMANDS_EXCHANGE,
     DEAD_EXCHANGE,
@@ -20,18 +24,31 @@ from infra.bus.base import (
     QueueKind,
     QueueSpec,
 )
-from infra.db import Database, ensure_identity
+from infra.db import CorpusIdentity, Database, ensure_identity
 from protocol.commands import WriteCommand
-from protocol.errors import LineageMismatch
+from protocol.errors import LineageMismatch, Unroutable
 from protocol.messages import BusMessage, ErrorReply, Ping, Pong, Probe, register
+from protocol.routing import LEGACY_WRITER_QUEUE, CorpusScope
+
+#: The corpus of the writers under test (each test's writer queue is then its own).
+IDENTITY = CorpusIdentity(uuid.uuid4(), uuid.uuid4())
+SCOPE = IDENTITY.scope
+WRITER_QUEUE = writer_queue(SCOPE)
+
+
+async def ask(bus: Bus, message: BusMessage, *, timeout: float = 10, scope: CorpusScope = SCOPE,
+              operation: str | None = None) -> Delivery:
+    """A command of ``scope``'s corpus, as an ingress sends it: corpus routing key and headers."""
+    return await bus.request(COMMANDS_EXCHANGE, scope.command_key(operation or message.TYPE), message,
+                             timeout=timeout, headers=scope.headers())
 
 
 async def test_ping_round_trip(bus: Bus) -> None:
-    writer = CorpusWriter(bus, node_id="writer-under-test")
+    writer = CorpusWriter(bus, node_id="writer-under-test", identity=IDENTITY)
     await writer.start()
     try:
         nonce = uuid.uuid4().hex
-        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce=nonce), timeout=10)
+        reply = await ask(bus, Ping(nonce=nonce))
         assert reply.message == Pong(nonce=nonce, responder="writer-under-test")
     finally:
         await writer.stop(grace=2)
@@ -47,10 +64,10 @@ async def test_unknown_command_gets_an_error_reply_and_is_dead_lettered(bus: Bus
             seen.set_result(d)
 
     watcher = await bus.consume(dead, on_dead, prefetch=10)
-    writer = CorpusWriter(bus, node_id="w")
+    writer = CorpusWriter(bus, node_id="w", identity=IDENTITY)
     await writer.start()
     try:
-        reply = await bus.request(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=4242), timeout=10)
+        reply = await ask(bus, Probe(n=4242))
         assert isinstance(reply.message, ErrorReply)
         assert reply.message.code == "unknown_command" and reply.message.status == 400
         async with asyncio.timeout(10):
@@ -61,13 +78,14 @@ async def test_unknown_command_gets_an_error_reply_and_is_dead_lettered(bus: Bus
         await watcher.drain(1)
 
 
-async def test_identity_mismatch_refuses_commands(bus: Bus) -> None:
-    writer = CorpusWriter(bus, node_id="w", identity_error=LineageMismatch("lineage differs"))
+async def test_a_writer_whose_identity_check_failed_takes_no_commands(bus: Bus) -> None:
+    """It could only refuse them, and would take them from a healthy writer of the same corpus."""
+    writer = CorpusWriter(bus, node_id="w", identity=None, identity_error=LineageMismatch("lineage differs"))
     await writer.start()
     try:
-        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce="x"), timeout=10)
-        assert isinstance(reply.message, ErrorReply)
-        assert (reply.message.status, reply.message.code) == (503, "lineage_unavailable")
+        # Its configured corpus, whichever it is, gets no queue and no binding from it.
+        with pytest.raises(Unroutable):
+            await ask(bus, Ping(nonce="x"), scope=CorpusIdentity(uuid.uuid4(), uuid.uuid4()).scope)
     finally:
         await writer.stop(grace=2)
 
@@ -87,12 +105,12 @@ async def test_expired_commands_are_skipped(bus: Bus) -> None:
             first.set_result(d.message.n)
 
     watcher = await bus.consume(dead, on_dead, prefetch=10)
-    writer = CorpusWriter(bus, node_id="w", prefetch=1)
+    writer = CorpusWriter(bus, node_id="w", identity=IDENTITY, prefetch=1)
     await writer.start()
     try:
-        await bus.publish(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=1),
-                          headers={"x-deadline": int((time.time() - 5) * 1000)})
-        reply = await bus.request(COMMANDS_EXCHANGE, Probe.TYPE, Probe(n=2), timeout=10)
+        await bus.publish(COMMANDS_EXCHANGE, SCOPE.command_key(Probe.TYPE), Probe(n=1),
+                          headers={**SCOPE.headers(), "x-deadline": int((time.time() - 5) * 1000)})
+        reply = await ask(bus, Probe(n=2))
         assert isinstance(reply.message, ErrorReply)
         async with asyncio.timeout(10):
             assert await first == 2
@@ -121,9 +139,10 @@ def _unchecked_fussy(n: int) -> Fussy:
     return message
 
 
-async def _watch_dead(bus: Bus, want: Callable[[Delivery], bool]) -> tuple[asyncio.Future[Delivery], Any]:
+async def _watch_dead(bus: Bus, want: Callable[[Delivery], bool], *,
+                      queue: str = WRITER_QUEUE.name) -> tuple[asyncio.Future[Delivery], Any]:
     dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
-    await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
+    await bus.bind(dead, DEAD_EXCHANGE, queue)
     seen: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
 
     async def on_dead(d: Delivery) -> None:
@@ -136,11 +155,11 @@ async def _watch_dead(bus: Bus, want: Callable[[Delivery], bool]) -> tuple[async
 async def test_undecodable_command_is_answered_at_once_and_dead_lettered(bus: Bus) -> None:
     dead = await bus.declare_queue(QueueSpec(f"test.dead.{uuid.uuid4().hex[:8]}", QueueKind.NODE))
     await bus.bind(dead, DEAD_EXCHANGE, WRITER_QUEUE.name)
-    writer = CorpusWriter(bus, node_id="w")
+    writer = CorpusWriter(bus, node_id="w", identity=IDENTITY)
     await writer.start()
     try:
         # The deadline is far away: an answer within it can only be the immediate error reply.
-        reply = await bus.request(COMMANDS_EXCHANGE, Fussy.TYPE, _unchecked_fussy(-1), timeout=60)
+        reply = await ask(bus, _unchecked_fussy(-1), timeout=60)
         assert isinstance(reply.message, ErrorReply)
         assert (reply.message.status, reply.message.code) == (400, "undecodable_command")
         # The dead letter cannot be decoded either, so it is read raw.
@@ -153,13 +172,14 @@ async def test_undecodable_command_is_answered_at_once_and_dead_lettered(bus: Bu
 
 async def test_write_failing_validation_past_the_edge_is_answered_and_dead_lettered(bus: Bus, db: Database) -> None:
     identity = await ensure_identity(db, None, None)
-    seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand))
+    seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand),
+                                      queue=writer_queue(identity.scope).name)
     writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
     await writer.start()
     try:
         forged = WriteCommand(operation="conversation.create", target=None, body={"subject": "", "content": "x"},
                               author_id=str(uuid.uuid4()), author_name="nobody", token="t-1")
-        reply = await bus.request(COMMANDS_EXCHANGE, forged.operation, forged, timeout=60)
+        reply = await ask(bus, forged, timeout=60, scope=identity.scope, operation=forged.operation)
         assert isinstance(reply.message, ErrorReply)
         assert (reply.message.status, reply.message.code) == (422, "validation_failed")
         assert reply.message.extra == {"field": "subject"}
@@ -185,10 +205,85 @@ async def test_group_commit_applies_a_burst_in_one_transaction(bus: Bus, db: Dat
                                  body={"subject": f"s{i}", "content": "c"}, author_id=str(author),
                                  author_name="batcher", token=f"t-{i}") for i in range(5)]
         # The batch is full at 5, so it commits at once: the 30 s linger is never waited out.
-        replies = await asyncio.gather(*(bus.request(COMMANDS_EXCHANGE, c.operation, c, timeout=20)
+        replies = await asyncio.gather(*(ask(bus, c, timeout=20, scope=identity.scope, operation=c.operation)
                                          for c in commands))
         assert all(r.message.status == 201 for r in replies)  # type: ignore[attr-defined]
         assert await db.pool.fetchval("select count(*) from changes") == 5
         assert await db.pool.fetchval("select count(distinct xmin::text) from changes") == 1
     finally:
         await writer.stop(grace=2)
+
+
+async def test_a_foreign_command_is_refused_dead_lettered_and_never_applied(bus: Bus, db: Database) -> None:
+    """Commands that reach this corpus's writer queue but name another corpus or history (or none)
+    in their headers, as a hand-published or misbound command would: each is answered 503
+    ``lineage_unavailable`` (not 500) by a reply carrying this corpus's headers, is dead-lettered
+    with the reason, and writes nothing; a command of this corpus still goes through."""
+    identity = await ensure_identity(db, None, None)
+    scope = identity.scope
+    author = uuid.uuid4()
+    await db.pool.execute("insert into agents (agent_id, name, credential_hash) values ($1, 'native', $2)",
+                          author, hashlib.sha256(b"another fake credential").digest())
+    seen: list[Delivery] = []
+    got_all = asyncio.Event()
+
+    def want(d: Delivery) -> bool:
+        seen.append(d)
+        if len(seen) == 3:
+            got_all.set()
+        return False
+
+    _, watcher = await _watch_dead(bus, want, queue=writer_queue(scope).name)
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
+    await writer.start()
+
+    def command(token: str) -> WriteCommand:
+        return WriteCommand(operation="conversation.create", target=None, body={"subject": "s", "content": "c"},
+                            author_id=str(author), author_name="native", token=token)
+
+    other_corpus = CorpusScope(str(uuid.uuid4()), scope.lineage).headers()
+    other_lineage = CorpusScope(scope.corpus_id, str(uuid.uuid4())).headers()
+    try:
+        for token, headers in (("t-corpus", other_corpus), ("t-lineage", other_lineage), ("t-none", {})):
+            reply = await bus.request(COMMANDS_EXCHANGE, scope.command_key("conversation.create"), command(token),
+                                      timeout=30, headers=headers)
+            assert isinstance(reply.message, ErrorReply), token
+            assert (reply.message.status, reply.message.code) == (503, "lineage_unavailable"), token
+            assert scope.refusal(reply.headers) is None  # the writer names its own corpus
+        async with asyncio.timeout(10):
+            await got_all.wait()
+        reasons = sorted(str(d.headers[DEAD_REASON_HEADER]) for d in seen)
+        assert all(r.startswith("foreign message:") for r in reasons), reasons
+        assert any("x-corpus-id is" in r for r in reasons) and any("x-corpus-lineage is" in r for r in reasons)
+        assert any("is missing" in r for r in reasons)
+        assert await db.pool.fetchval("select count(*) from changes") == 0
+        ok = await ask(bus, command("t-native"), timeout=30, scope=scope, operation="conversation.create")
+        assert ok.message.status == 201  # type: ignore[attr-defined]
+        assert scope.refusal(ok.headers) is None
+    finally:
+        await writer.stop(grace=2)
+        await watcher.drain(1)
+
+
+async def test_the_writer_unbinds_the_single_corpus_queue(bus: Bus) -> None:
+    """An upgrade leaves ``tm.commands.writer`` bound ``#``; the first new writer cuts it off, so it
+    stops collecting a copy of every corpus's commands (commands sent before stay for the operator)."""
+    legacy = await bus.declare_queue(QueueSpec(LEGACY_WRITER_QUEUE, QueueKind.WORK))
+    try:
+        await bus.bind(legacy, COMMANDS_EXCHANGE, "#")
+        await bus.publish(COMMANDS_EXCHANGE, "before.upgrade", Probe(n=1))
+        writer = CorpusWriter(bus, node_id="w", identity=IDENTITY)
+        await writer.start()
+        try:
+            await bus.publish(COMMANDS_EXCHANGE, SCOPE.command_key(Probe.TYPE), Probe(n=2), headers=SCOPE.headers())
+            await bus.publish("", legacy, Probe(n=3))  # a sentinel behind anything that still arrived
+            numbers = []
+            for _ in range(2):
+                raw = await bus.fetch_raw(legacy, timeout=10)  # type: ignore[attr-defined]
+                assert raw is not None
+                numbers.append(orjson.loads(raw.body)["n"])
+            assert numbers == [1, 3]
+        finally:
+            await writer.stop(grace=2)
+    finally:
+        await bus.delete_queue(legacy)  # type: ignore[attr-defined]

@@ -71,7 +71,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     """Check configuration and connectivity, one line each; exit 1 if any check fails."""
-    from infra.db import Database, pending_migrations, read_identity, start_embedded
+    from infra.db import CorpusIdentity, Database, pending_migrations, read_identity, start_embedded
 
     failures = 0
 
@@ -94,6 +94,8 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
         line("config", True, ", ".join(f"{k}={v}" for k, v in settings.redacted().items() if v))
         db: Database | None = None
         embedded = None
+        # The ping goes to the writers of this database's corpus (commands are corpus-bound).
+        identity: CorpusIdentity | None = None
 
         async def database() -> str:
             nonlocal db, embedded
@@ -117,7 +119,8 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
                     return "schema up to date"
 
                 async def corpus() -> str:
-                    ident = await read_identity(db)
+                    nonlocal identity
+                    ident = identity = await read_identity(db)
                     if ident is None:
                         return "no witness row yet: created on first start"
                     for label, want, have in (("CORPUS_ID", settings.corpus_id, ident.corpus_id),
@@ -146,11 +149,15 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
             return f"RabbitMQ at {redact_url(settings.amqp_url or '')}"
 
         try:
-            if await check("bus", connect):
+            if await check("bus", connect) and identity is None:
+                line("writer", None, "no corpus identity in the database yet: its writers cannot be addressed")
+            elif identity is not None and bus.stats.connected:
+                scope = identity.scope
 
                 async def writer() -> str:
                     started = time.perf_counter()
-                    reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce=uuid.uuid4().hex), timeout=5)
+                    reply = await bus.request(COMMANDS_EXCHANGE, scope.command_key(Ping.TYPE),
+                                              Ping(nonce=uuid.uuid4().hex), timeout=5, headers=scope.headers())
                     ms = (time.perf_counter() - started) * 1000
                     if isinstance(reply.message, ErrorReply):
                         raise ConfigError(f"writer answered {reply.message.code}: {reply.message.message}")

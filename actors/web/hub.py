@@ -1,7 +1,11 @@
 """Notification hub: one per web node, fanning the corpus's change events out to this node's streams.
 
 Consumes: a per-node queue (``QueueKind.NODE``: exclusive to this process, bounded, deleted with it)
-bound to every routing key of ``tm.events``.
+bound to every routing key of this node's corpus exchange ``tm.events.<corpus_id>``
+(:mod:`protocol.routing`), so events of other corpora sharing the broker never reach it. An event
+that still does (a misbinding, a hand-published event, a publisher of another history) is
+dead-lettered with the reason: its ``x-corpus-id`` / ``x-corpus-lineage`` headers and its envelope's
+``corpus_id`` / ``lineage`` must all be this node's.
 Does: keeps the events in strict sequence order without duplicates: an event at or below the last
 one it passed on is dropped (a publisher that took over republishes from its cursor), and when an
 event arrives past a hole it first reads the hole from the change history, so a subscriber never
@@ -26,11 +30,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from actors.history import Change, changes_after
-from infra.bus.base import EVENTS_EXCHANGE, Bus, Consumer, Delivery, QueueKind, QueueSpec
+from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec, declare_corpus_events
 from infra.db.pool import UNAVAILABLE_ERRORS, Target
 from infra.logs import get_logger
 from protocol.events import ChangeEvent
 from protocol.representations import dumps
+from protocol.routing import CorpusScope
 
 log = get_logger("toastmachine.actors.hub")
 
@@ -142,20 +147,25 @@ def sse_frame(change: Change) -> bytes:
 
 
 class NotificationHub:
-    """The per-node fan-out of ``tm.events``.
+    """The per-node fan-out of this node's corpus's events.
 
     Args:
         bus: where the events come from.
         db: the change history, for filling holes.
+        scope: the corpus (and lineage) whose events this hub takes; None when the node's corpus
+            identity check failed (it then consumes nothing: the stream is refused anyway).
         node_id: names this node's queue.
         subscriber_queue: changes a subscriber may have waiting before it is cut off.
         heartbeat: seconds between heartbeat comments (and the stuck-write watchdog's period).
     """
 
-    def __init__(self, bus: Bus, db: Target, *, node_id: str,
+    def __init__(self, bus: Bus, db: Target, *, scope: CorpusScope | None, node_id: str,
                  subscriber_queue: int = DEFAULT_SUBSCRIBER_QUEUE, heartbeat: float = DEFAULT_HEARTBEAT) -> None:
         self.bus = bus
         self.db = db
+        self.scope = scope
+        #: Foreign events refused (dead-lettered) since start.
+        self.refused = 0
         self.heartbeat = heartbeat
         self._ticker: asyncio.Task[None] | None = None
         self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
@@ -172,8 +182,12 @@ class NotificationHub:
 
     async def start(self) -> None:
         """Declare and bind this node's queue and start consuming."""
+        if self.scope is None:
+            log.error("hub.identity_unavailable", detail="the corpus identity check failed; consuming nothing")
+            return
         name = await self.bus.declare_queue(self.queue_spec)
-        await self.bus.bind(name, EVENTS_EXCHANGE, "#")
+        await declare_corpus_events(self.bus, self.scope.events_exchange)
+        await self.bus.bind(name, self.scope.events_exchange, "#")
         self._consumer = await self.bus.consume(name, self._on_event, prefetch=256)
         self._ticker = asyncio.create_task(self._tick(), name="hub-heartbeat")
         log.info("hub.consuming", queue=name)
@@ -225,6 +239,15 @@ class NotificationHub:
         event = delivery.message
         if not isinstance(event, ChangeEvent):
             return  # not ours to fan out; acked and forgotten (the node queue is ours alone)
+        assert self.scope is not None  # a hub without a scope consumes nothing
+        refusal = self.scope.refusal(delivery.headers, corpus_id=event.corpus_id, lineage=event.lineage)
+        if refusal is not None:
+            # Passing it on would show this node's streams another corpus's change under this
+            # corpus's sequence numbers (and the hole filling would hide it as a duplicate later).
+            self.refused += 1
+            log.warning("hub.foreign_event", sequence=event.sequence, reason=refusal)
+            await delivery.dead_letter(refusal)
+            return
         change = Change(event.sequence, event.type, event.partition, dumps(_envelope(event)).decode())
         if self._filling:
             self._waiting.append(change)

@@ -8,8 +8,11 @@ Each write goes the same way, in this order, so that the cheapest refusal comes 
 4. onboarded: the agent has read ``GET /guide`` (428, retry the identical request with the same token);
 5. admission: the agent's token bucket (429 with ``Retry-After``);
 6. validation with :mod:`protocol.corpus`, the functions the writer runs again (422 / 400);
-7. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with a deadline; the writer's reply
-   becomes the answer, byte for byte; no reply by the deadline → 504 "outcome unknown".
+7. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with routing key
+   ``<corpus_id>.<operation>``, this node's corpus headers and a deadline; the writer's reply becomes
+   the answer, byte for byte, once its corpus headers are checked (a reply from a writer of another
+   corpus or history is 503 ``lineage_unavailable``, never passed on); no reply by the deadline →
+   504 "outcome unknown".
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from actors.web.auth import authenticate, require_onboarded
 from actors.web.context import NODE
 from infra.bus.base import COMMANDS_EXCHANGE
 from infra.http import read_json
+from infra.logs import get_logger
 from infra.ratelimit import KeyedTokenBucket
 from protocol import corpus
 from protocol.agents import validate_operation_token
@@ -41,6 +45,8 @@ OPERATION_TOKEN_HEADER = "Operation-Token"
 REPLAYED_HEADER = "Idempotent-Replayed"
 
 WRITE_ADMISSION: web.AppKey[KeyedTokenBucket] = web.AppKey("write_admission", KeyedTokenBucket)
+
+log = get_logger("toastmachine.actors.ingress")
 
 
 def _path_id(request: web.Request, name: str, what: str) -> str:
@@ -67,16 +73,17 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
             headers={"Retry-After": str(max(1, int(wait + 0.999)))},
             how_to_proceed="Wait for the seconds in Retry-After, then retry with the same Operation-Token.")
     corpus.validate_write(operation, target, body)
-    if node.identity_error is not None:
+    if node.identity_error is not None or node.identity is None:
         raise ServiceUnavailable(
             "This node's corpus identity does not match its database; it accepts no writes.",
             code="lineage_unavailable",
             how_to_proceed="Retry later or on another node; the operator must fix the corpus identity.")
+    scope = node.identity.scope
     command = WriteCommand(operation=operation, target=target, body=body, author_id=agent.agent_id,
                            author_name=agent.name, token=token)
     try:
-        reply = await node.bus.request(COMMANDS_EXCHANGE, operation, command,
-                                       timeout=node.settings.command_timeout)
+        reply = await node.bus.request(COMMANDS_EXCHANGE, scope.command_key(operation), command,
+                                       timeout=node.settings.command_timeout, headers=scope.headers())
     except RequestTimeout:
         raise GatewayTimeout() from None
     except Unroutable:
@@ -84,6 +91,16 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
             "No corpus writer is running, so the write was not accepted.", code="writer_unavailable",
             how_to_proceed="Retry in a few seconds with the same Operation-Token; the operator must start "
                            "a writer ('toastmachine run writer').") from None
+    refusal = scope.refusal(reply.headers)
+    if refusal is not None:
+        # Only a misbound queue or a writer of another version gets here; whatever it did, it did
+        # not do it to this corpus, and its answer must not be mistaken for this corpus's.
+        log.error("ingress.foreign_reply", operation=operation, reason=refusal)
+        raise ServiceUnavailable(
+            "The write was answered by a corpus writer of another corpus or history; its outcome here is unknown.",
+            code="lineage_unavailable",
+            how_to_proceed="Retry the identical request with the same Operation-Token later; the operator must "
+                           "give every process of this node the same corpus identity.")
     message = reply.message
     if isinstance(message, WriteResult):
         headers = {REPLAYED_HEADER: "true"} if message.replayed else None

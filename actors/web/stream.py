@@ -231,6 +231,7 @@ def add_routes(app: web.Application) -> None:
     """The stream route, with this node's hub started and stopped with the app."""
     node = app[NODE]
     app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id,
+                               scope=node.identity.scope if node.identity is not None else None,
                                heartbeat=node.settings.stream_heartbeat)
     app.cleanup_ctx.append(_hub_context)
     app.on_shutdown.append(_end_streams)

@@ -1,21 +1,31 @@
 """Corpus writer: the one place where commands become committed changes.
 
-Consumes: the durable quorum queue ``tm.commands.writer``, bound to every routing key on the
-``tm.commands`` exchange; writers on many machines are competing consumers of it.
+Consumes: its corpus's durable quorum queue ``tm.commands.writer.<corpus_id>``, bound to
+``<corpus_id>.#`` on the ``tm.commands`` exchange (:mod:`protocol.routing`); the writers of one
+corpus, on many machines, are competing consumers of it, and the writers of another corpus sharing
+the broker never see its commands. At start-up a writer removes the binding of the single-corpus
+topology's queue ``tm.commands.writer`` (``#``), which would otherwise keep collecting a copy of
+every command of every corpus (logged when it existed). A writer whose corpus identity check failed
+at start-up consumes nothing: it could only refuse, and taking commands from a healthy writer of the
+same corpus would turn them into refusals.
 
 Does, for each command:
 
 * skips it when the requester's deadline has passed (its answer would go unread; the client
   retries with the same operation token if it still wants the effect);
-* refuses it with 503 ``lineage_unavailable`` when the corpus identity check failed at start-up;
+* refuses a foreign command (its ``x-corpus-id`` / ``x-corpus-lineage`` headers missing or naming
+  another corpus or history) with 503 ``lineage_unavailable`` and dead-letters it with the reason:
+  it must never be applied to this corpus;
 * :class:`~protocol.commands.WriteCommand`: validates the body again with the edge's validators
   (a command that fails them past the edge is dead-lettered with the reason and answered at once),
   then hands it to the group commit: commands that arrive while a transaction runs are applied
   together in the next one (:mod:`actors.writer.store`); a command that breaks a rule fails alone;
 * :class:`~protocol.messages.Ping`: answers :class:`~protocol.messages.Pong` (doctor, readiness).
 
-Emits: one reply per command to its requester, after the commit; the delivery is acked after the
-reply. A writer killed between commit and ack loses nothing: the command is redelivered and its
+Emits: one reply per command to its requester, after the commit, carrying this corpus's headers
+(the requester checks them); the delivery is acked after the reply. A command it cannot apply is
+never answered 500: a failure that is not the database's gets 503 ``write_not_applied`` (nothing was
+committed) and the command is dead-lettered with the reason. A writer killed between commit and ack loses nothing: the command is redelivered and its
 idempotency record answers the stored result without writing anything new.
 """
 
@@ -32,10 +42,9 @@ from infra.db.pool import UNAVAILABLE_ERRORS
 from infra.logs import get_logger
 from infra.runtime import ConsumerActor
 from protocol.commands import WriteCommand
-from protocol.errors import ApiError, DatabaseUnavailable, InternalError, LineageMismatch, ServiceUnavailable
-from protocol.messages import ErrorReply, Ping, Pong
-
-WRITER_QUEUE = QueueSpec(name="tm.commands.writer", kind=QueueKind.WORK)
+from protocol.errors import ApiError, DatabaseUnavailable, LineageMismatch, ServiceUnavailable
+from protocol.messages import BusMessage, ErrorReply, Ping, Pong
+from protocol.routing import LEGACY_WRITER_QUEUE, CorpusScope
 
 #: Most commands applied in one transaction.
 DEFAULT_MAX_BATCH = 100
@@ -49,6 +58,30 @@ def error_reply(error: ApiError) -> ErrorReply:
     """The bus form of a public error."""
     return ErrorReply(status=error.status, code=error.code, message=error.message,
                       how_to_proceed=error.how_to_proceed, extra=dict(error.extra))
+
+
+def writer_queue(scope: CorpusScope) -> QueueSpec:
+    """The durable queue the writers of ``scope``'s corpus share."""
+    return QueueSpec(name=scope.writer_queue, kind=QueueKind.WORK)
+
+
+def _foreign_command() -> ServiceUnavailable:
+    # The requester's node and this writer disagree about which corpus (or history) they serve:
+    # nothing was written, and only the operator can make them agree.
+    return ServiceUnavailable(
+        "The corpus writer that received this write serves another corpus or history; nothing was written.",
+        code="lineage_unavailable",
+        how_to_proceed="Retry later with the same Operation-Token; the operator must give the web and writer "
+                       "processes the same TOASTMACHINE_CORPUS_ID / TOASTMACHINE_LINEAGE and database.")
+
+
+def _not_applied() -> ServiceUnavailable:
+    # Not a 500: the writer knows that nothing was committed (the transaction failed and rolled
+    # back), and the command was set aside in tm.dead.letters for the operator.
+    return ServiceUnavailable(
+        "The corpus writer could not apply this write; nothing was committed.", code="write_not_applied",
+        how_to_proceed="Retry later with the same Operation-Token; if it keeps failing, report the request "
+                       "to the operator (the command is kept in the dead-letter queue).")
 
 
 def _database_unavailable() -> ServiceUnavailable:
@@ -138,7 +171,7 @@ class GroupCommit:
                 self._settle(batch, [(Outcome(error=_database_unavailable()), None)])
                 return
             log.exception("writer.command_failed", operation=batch[0].prepared.command.operation)
-            self._settle(batch, [(Outcome(error=InternalError()), f"the writer failed on it: {type(e).__name__}")])
+            self._settle(batch, [(Outcome(error=_not_applied()), f"the writer failed on it: {type(e).__name__}")])
             return
         self._settle(batch, [(o, None) for o in outcomes])
 
@@ -162,40 +195,64 @@ class CorpusWriter(ConsumerActor):
     Args:
         bus: the bus to consume from and reply on.
         node_id: this process's name, sent back in :class:`Pong`.
-        db: the database; with ``identity``, needed for write commands.
-        identity: the corpus identity stamped on events.
-        identity_error: set when the corpus identity check failed at start-up; every command is
-            then refused with 503 ``lineage_unavailable``.
+        identity: the corpus identity of the database (stamped on events); it names the queue this
+            writer consumes and is checked against every command's corpus headers. None when the
+            corpus identity check failed at start-up: the writer then consumes nothing.
+        db: the database, needed for write commands (without it only pings are answered).
+        identity_error: why the identity check failed, logged at start-up.
         prefetch: unsettled commands at a time (bounds the group-commit queue too).
         max_batch: most commands in one transaction.
         linger: seconds to wait for a batch to fill (0: commit what is waiting at once).
     """
 
     name = "writer"
-    queue = WRITER_QUEUE
-    bindings = ((COMMANDS_EXCHANGE, "#"),)
 
-    def __init__(self, bus: Bus, *, node_id: str, db: Database | None = None,
-                 identity: CorpusIdentity | None = None, identity_error: LineageMismatch | None = None,
+    def __init__(self, bus: Bus, *, node_id: str, identity: CorpusIdentity | None, db: Database | None = None,
+                 identity_error: LineageMismatch | None = None,
                  prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH, linger: float = 0.0) -> None:
         super().__init__(bus, prefetch=prefetch)
         self.node_id = node_id
         self.identity_error = identity_error
+        self.scope = identity.scope if identity is not None else None
+        if self.scope is not None:
+            self.queue = writer_queue(self.scope)
+            self.bindings = ((COMMANDS_EXCHANGE, self.scope.command_pattern),)
         self._store = CorpusStore(db, identity) if db is not None and identity is not None else None
         self._max_batch = max_batch
         self._linger = linger
         self._commit: GroupCommit | None = None
 
     async def setup(self) -> None:
+        if self.scope is None:
+            self.log.error("writer.identity_unavailable", consuming=False,
+                           detail=str(self.identity_error or "no corpus identity"))
+            return
+        await self._unbind_legacy_queue()
         if self._store is not None:
             self._commit = GroupCommit(self._store, max_pending=self.prefetch, max_batch=self._max_batch,
                                        linger=self._linger)
         await super().setup()
 
+    async def _unbind_legacy_queue(self) -> None:
+        """Cut the single-corpus topology's catch-all queue off ``tm.commands`` (an upgrade step).
+
+        Left bound, it would silently collect a copy of every command of every corpus for ever (and
+        an old writer still consuming it would apply other corpora's commands). Its contents are
+        left alone for the operator: delete it once no old writer runs.
+        """
+        if await self.bus.unbind(LEGACY_WRITER_QUEUE, COMMANDS_EXCHANGE, "#"):
+            self.log.warning("writer.legacy_binding_removed", queue=LEGACY_WRITER_QUEUE, exchange=COMMANDS_EXCHANGE,
+                             detail="the queue of the single-corpus topology no longer receives commands; "
+                                    "delete it once no writer of an older version runs")
+
     async def close(self) -> None:
         if self._commit is not None:
             await self._commit.close()
             self._commit = None
+
+    async def _reply(self, delivery: Delivery, message: BusMessage) -> None:
+        """Answer with this corpus's headers, so the requester can check whom it heard from."""
+        await self.bus.reply(delivery, message, headers=self.scope.headers() if self.scope is not None else None)
 
     async def handle(self, delivery: Delivery) -> None:
         if delivery.expired():
@@ -203,22 +260,23 @@ class CorpusWriter(ConsumerActor):
             # surprise it. It retries with the same operation token if it still wants the effect.
             self.log.info("writer.skipped_expired", message_type=delivery.message.TYPE)
             return
-        if self.identity_error is not None:
-            await self.bus.reply(delivery, ErrorReply(
-                status=503, code="lineage_unavailable",
-                message="This node's corpus identity does not match its database; it accepts no writes.",
-                how_to_proceed="Retry later or on another node; the operator must fix TOASTMACHINE_CORPUS_ID "
-                               "/ TOASTMACHINE_LINEAGE."))
+        assert self.scope is not None  # a writer without an identity consumes nothing (setup)
+        refusal = self.scope.refusal(delivery.headers)
+        if refusal is not None:
+            self.log.warning("writer.foreign_command", message_type=delivery.message.TYPE,
+                             routing_key=delivery.routing_key[:200], reason=refusal)
+            await self._reply(delivery, error_reply(_foreign_command()))
+            await delivery.dead_letter(refusal)
             return
         message = delivery.message
         if isinstance(message, WriteCommand):
             await self._write(delivery, message)
             return
         if isinstance(message, Ping):
-            await self.bus.reply(delivery, Pong(nonce=message.nonce, responder=self.node_id))
+            await self._reply(delivery, Pong(nonce=message.nonce, responder=self.node_id))
             return
         reason = f"the writer has no handler for command type {message.TYPE!r}"
-        await self.bus.reply(delivery, ErrorReply(
+        await self._reply(delivery, ErrorReply(
             status=400, code="unknown_command", message=reason,
             how_to_proceed="Upgrade the node that sent it, or report it to the operator."))
         await delivery.dead_letter(reason)
@@ -230,16 +288,16 @@ class CorpusWriter(ConsumerActor):
             prepared = Prepared.from_command(command, delivery.trace_id)
         except ApiError as e:
             # The ingress validates with the same functions, so this is an old or foreign sender.
-            await self.bus.reply(delivery, error_reply(e))
+            await self._reply(delivery, error_reply(e))
             await delivery.dead_letter(f"failed validation past the edge: {e.code}: {e.message}")
             return
         outcome, dead_reason = await self._commit.submit(prepared)
         if outcome.result is not None:
             if outcome.result.replayed:
                 self.log.info("writer.replayed", operation=command.operation, sequence=outcome.result.sequence)
-            await self.bus.reply(delivery, outcome.result)
+            await self._reply(delivery, outcome.result)
         else:
             assert outcome.error is not None
-            await self.bus.reply(delivery, error_reply(outcome.error))
+            await self._reply(delivery, error_reply(outcome.error))
             if dead_reason is not None:
                 await delivery.dead_letter(dead_reason)

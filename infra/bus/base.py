@@ -220,8 +220,11 @@ class Bus(abc.ABC):
         """Route messages whose routing key matches ``pattern`` on ``exchange`` into ``queue``."""
 
     @abc.abstractmethod
-    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
-        """Remove the binding of ``queue`` to ``exchange`` with ``pattern`` (a no-op if there is none)."""
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> bool:
+        """Remove the binding of ``queue`` to ``exchange`` with ``pattern``, if any.
+
+        Returns False (and does nothing) when the queue or the exchange does not exist.
+        """
 
     @abc.abstractmethod
     async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
@@ -269,6 +272,16 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def check(self) -> None:
         """Raise BusUnavailable unless the broker answers right now (for /readyz and doctor)."""
+
+
+async def declare_corpus_events(bus: Bus, exchange: str) -> None:
+    """Declare a corpus's event exchange and bind it into ``tm.events`` with ``#`` (idempotent).
+
+    Whoever publishes to it or consumes from it declares it, so that it exists in whichever order
+    they start, and always with the binding that keeps ``tm.events`` carrying every event.
+    """
+    await bus.declare_exchange(exchange)
+    await bus.bind_exchange(EVENTS_EXCHANGE, exchange, "#")
 
 
 def deadline_header(timeout: float) -> dict[str, HeaderValue]:

@@ -338,9 +338,12 @@ class MemoryBus(Bus):
             raise BusError(f"no queue named {queue!r}")
         self._exchanges[exchange].add((pattern, queue))
 
-    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> bool:
         self._ensure_open()
-        self._exchanges.get(exchange, set()).discard((pattern, queue))
+        if queue not in self._queues or exchange not in self._exchanges:
+            return False
+        self._exchanges[exchange].discard((pattern, queue))
+        return True
 
     async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
         self._ensure_open()

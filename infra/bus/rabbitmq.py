@@ -301,12 +301,12 @@ class RabbitBus(Bus):
 
         await self._admin_call(do(), f"bind {queue!r} to {exchange!r} with {pattern!r}")
 
-    async def unbind(self, queue: str, exchange: str, pattern: str) -> None:
-        _, _, _ = self._channels()
+    async def unbind(self, queue: str, exchange: str, pattern: str) -> bool:
+        self._channels()
         connection = self._connection
         assert connection is not None
 
-        async def do() -> None:
+        async def do() -> bool:
             # A channel of its own: RabbitMQ closes the channel of a command naming a missing queue
             # or exchange, and "nothing to unbind" must not disturb the channels in use.
             channel = await connection.channel(publisher_confirms=False)
@@ -314,12 +314,13 @@ class RabbitBus(Bus):
                 underlay = await channel.get_underlay_channel()
                 await underlay.queue_unbind(queue=queue, exchange=exchange, routing_key=pattern)
             except aiormq.exceptions.ChannelNotFoundEntity:
-                return  # no such queue or exchange: no such binding either
+                return False  # no such queue or exchange: no such binding either
             finally:
                 with contextlib.suppress(Exception):
                     await channel.close()
+            return True
 
-        await self._admin_call(do(), f"unbind {queue!r} from {exchange!r} with {pattern!r}")
+        return bool(await self._admin_call(do(), f"unbind {queue!r} from {exchange!r} with {pattern!r}"))
 
     async def bind_exchange(self, destination: str, source: str, pattern: str) -> None:
         admin, _, _ = self._channels()
