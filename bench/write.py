@@ -66,6 +66,7 @@ from infra.bus.rabbitmq import RabbitBus
 from protocol import corpus
 from protocol import representations as rep
 from protocol.messages import Ping, Pong
+from protocol.routing import CorpusScope
 from tests.procs import NodeProcess, clean_env, start
 
 DEFAULT_AMQP_URL = os.environ.get("TOASTMACHINE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -387,14 +388,17 @@ async def measure_ours(side: HttpSide, db: asyncpg.Connection, count: int, concu
     return result
 
 
-async def measure_ping(amqp_url: str, count: int, concurrency: int) -> Round:
+async def measure_ping(amqp_url: str, db: asyncpg.Connection, count: int, concurrency: int) -> Round:
     """The bus alone: Ping commands to the writer process and its Pong replies, the same way the web
     front sends writes (quorum queue, publisher confirm, direct reply-to), but no HTTP and no database."""
+    row = await db.fetchrow("select corpus_id, lineage from corpus_witness")
+    scope = CorpusScope(str(row["corpus_id"]), str(row["lineage"]))
     bus = RabbitBus(amqp_url, connection_name="bench-write-ping")
     await bus.connect()
 
     async def ping(i: int, n: int) -> str | None:
-        reply = await bus.request(COMMANDS_EXCHANGE, Ping.TYPE, Ping(nonce=f"{i}.{n}"), timeout=30)
+        reply = await bus.request(COMMANDS_EXCHANGE, scope.command_key(Ping.TYPE), Ping(nonce=f"{i}.{n}"),
+                                  timeout=30, headers=scope.headers())
         return None if isinstance(reply.message, Pong) else type(reply.message).__name__
 
     try:
@@ -630,7 +634,7 @@ async def run(args: argparse.Namespace) -> Report:
                                 if args.verbose:
                                     print(f"round {i} {describe(f'{who:8s}', [result])}   "
                                           f"failures {dict(result.failures) or 0}", flush=True)
-                        report.ping = await measure_ping(amqp_url, args.writes, args.concurrency)
+                        report.ping = await measure_ping(amqp_url, db, args.writes, args.concurrency)
                         report.accepted = http.accepted
                         report.stored = dict(await db.fetchrow(
                             "select (select count(*) from messages) as messages, "

@@ -131,7 +131,7 @@ async def publishing(stack: Stack, *, poll_interval: float = 0.2) -> AsyncIterat
     """The event publisher on the stack's bus and database, running for the block."""
     from actors.publisher import EventPublisher
 
-    publisher = EventPublisher(stack.bus, stack.db, node_id="test-publisher", poll_interval=poll_interval)
+    publisher = EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="test-publisher", poll_interval=poll_interval)
     await publisher.start()
     try:
         yield

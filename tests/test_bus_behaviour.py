@@ -155,7 +155,7 @@ async def test_exchange_to_exchange_bindings_route_like_a_publish_on_the_destina
             await bus.publish("", q, Probe(n=SENTINEL))
         for inbox in inboxes.values():
             await inbox.wait_for_probe(SENTINEL)
-        assert [d.message.data for d in inboxes[on_destination].items[:-1]] == ["message.appended.3"]  # type: ignore[union-attr]
+        assert [d.message.data for d in inboxes[on_destination].items[:-1]] == ["message.appended.3"]  # type: ignore[attr-defined]
         assert inboxes[on_destination].items[0].routing_key == "message.appended.3"
         assert inboxes[on_both].numbers == [0, 1, 2, SENTINEL]
         assert inboxes[unbound].numbers == [SENTINEL]

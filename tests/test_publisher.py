@@ -136,7 +136,7 @@ async def test_every_change_is_published_in_order_with_its_envelope_and_headers(
     received, _ = await bind_queue(stack.bus, "#")
     await write_some(stack, 10)  # a backlog before the publisher starts
     # A long poll interval: the live writes below must arrive through NOTIFY, not a poll.
-    async with running(EventPublisher(stack.bus, stack.db, node_id="t1", poll_interval=60,
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t1", poll_interval=60,
                                       window=7, batch_size=9)) as publisher:
         await write_some(stack, 15)
         rows = await history(stack.db)
@@ -154,7 +154,8 @@ async def test_every_change_is_published_in_order_with_its_envelope_and_headers(
     for delivery, row in zip(received.deliveries, rows, strict=True):
         event = delivery.message
         assert isinstance(event, ChangeEvent)
-        assert delivery.exchange == EVENTS_EXCHANGE
+        # Published on the corpus's own exchange, which tm.events carries (exchange-to-exchange).
+        assert delivery.exchange == stack.identity.scope.events_exchange
         assert delivery.routing_key == f"{row['type']}.{row['partition']}"
         assert delivery.message_id == f"{lineage}:{row['sequence']}"
         assert delivery.headers["x-corpus-id"] == corpus_id
@@ -170,7 +171,7 @@ async def test_polling_picks_up_changes_when_no_notification_comes(stack: Stack)
     async with stack.db.acquire() as conn:
         await conn.execute("alter table changes disable trigger changes_notify_publisher")
     received, _ = await bind_queue(stack.bus, "message.appended.*")
-    async with running(EventPublisher(stack.bus, stack.db, node_id="t2", poll_interval=0.2)) as publisher:
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t2", poll_interval=0.2)) as publisher:
         await write_some(stack, 5)
         rows = [r for r in await history(stack.db) if r["type"] == "message.appended"]
         await received.until(lambda r: r.sequences == [x["sequence"] for x in rows], "polled changes published")
@@ -179,8 +180,8 @@ async def test_polling_picks_up_changes_when_no_notification_comes(stack: Stack)
 
 async def test_one_publisher_is_active_and_another_takes_over_when_it_stops(stack: Stack) -> None:
     received, _ = await bind_queue(stack.bus, "#")
-    first = EventPublisher(stack.bus, stack.db, node_id="first", standby_interval=0.1)
-    second = EventPublisher(stack.bus, stack.db, node_id="second", standby_interval=0.1)
+    first = EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="first", standby_interval=0.1)
+    second = EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="second", standby_interval=0.1)
     async with running(first):
         async with asyncio.timeout(WAIT):
             await first.wait_cursor(0)
@@ -387,7 +388,7 @@ async def test_bus_down_longer_than_the_publish_timeout_the_cursor_waits_then_re
         _rabbitmqctl("clear_permissions", "-p", vhost, user)
         try:
             await drop_broker_connections(rabbitmq_url, "test: broker refuses the publisher")
-            publisher = EventPublisher(stack.bus, stack.db, node_id="t-down", publish_timeout=0.5)
+            publisher = EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-down", publish_timeout=0.5)
             async with running(publisher):
                 async def failed() -> bool:
                     return publisher.failed_windows >= 2

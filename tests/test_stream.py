@@ -144,13 +144,13 @@ async def test_the_hub_fills_holes_from_the_history_and_drops_duplicates(stack: 
     once, in order. No publisher runs here: the test publishes the events itself."""
     import orjson
 
-    from infra.bus.base import EVENTS_EXCHANGE
-    from protocol.events import ChangeEvent
+    from protocol.events import ChangeEvent, event_headers
 
     async def publish(sequence: int) -> None:
         text = await stack.db.pool.fetchval("select event from changes where sequence = $1", sequence)
         event = ChangeEvent(**orjson.loads(text))
-        await stack.bus.publish(EVENTS_EXCHANGE, event.routing_key, event)
+        await stack.bus.publish(stack.identity.scope.events_exchange, event.routing_key, event,
+                                headers=event_headers(event))
 
     alice = await stack.register()
     cid = (await stack.conversation(alice))["conversation"]["id"]
