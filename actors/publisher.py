@@ -45,7 +45,7 @@ from infra.db import CorpusIdentity, Database
 from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
 from infra.logs import TRACE_HEADER
 from infra.runtime import Actor
-from protocol.errors import BusError, ProtocolDecodeError, ToastMachineError
+from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError, ToastMachineError
 from protocol.events import ChangeEvent, event_headers
 from protocol.messages import decode_message
 
@@ -182,6 +182,8 @@ class EventPublisher(Actor):
         self.db = db
         self.node_id = node_id
         self.scope = identity.scope if identity is not None else None
+        #: Whether the corpus's exchange was declared and bound into tm.events (again after a failure).
+        self._exchange_ready = False
         self.dsn = dsn
         self.batch_size = max(1, batch_size)
         self.window = max(1, min(window, self.batch_size))
@@ -222,11 +224,6 @@ class EventPublisher(Actor):
         moved.set()
 
     # --- main loop ---------------------------------------------------------------------------
-
-    async def setup(self) -> None:
-        if self.scope is None:
-            return
-        await declare_corpus_events(self.bus, self.scope.events_exchange)
 
     async def run(self) -> None:
         if self.scope is None:
@@ -343,6 +340,7 @@ class EventPublisher(Actor):
                     self._set_cursor(cursor)
                 if error is not None:
                     self.failed_windows += 1
+                    self._exchange_ready = False  # e.g. a broker reset: declare it again, it is cheap
                     self.log.warning("publisher.publish_failed", error=str(error), cursor=cursor,
                                      retry_in=round(backoff, 2), detail="retrying from the cursor")
                     await self._pause(backoff, session.lost)
@@ -356,6 +354,19 @@ class EventPublisher(Actor):
         """Publish ``rows`` concurrently; return the highest sequence of the confirmed prefix and
         the first failure (None when all were confirmed)."""
         events = [(self._decode(row), row["trace_id"]) for row in rows]
+        if not self._exchange_ready:
+            # Here rather than at start-up: the publisher starts (and stands by) while the broker is
+            # down, and a failed declaration is retried from the cursor like a failed publish.
+            assert self.scope is not None
+            try:
+                async with asyncio.timeout(self.publish_timeout):
+                    await declare_corpus_events(self.bus, self.scope.events_exchange)
+            except TimeoutError:
+                return None, BusUnavailable(f"declaring {self.scope.events_exchange!r} took over "
+                                            f"{self.publish_timeout}s")
+            except BusError as e:
+                return None, e
+            self._exchange_ready = True
         results = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
                                        return_exceptions=True)
         confirmed: int | None = None

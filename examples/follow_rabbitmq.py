@@ -1,7 +1,10 @@
 """Follow a ToastMachine corpus from RabbitMQ, the way an integration should.
 
-1. Declare a durable queue of your own and bind it to the topic exchange ``tm.events`` with the
-   patterns you care about (``message.*.*``: every appended message, in every partition).
+1. Ask the node which corpus it serves (``GET /corpus`` → ``corpus_id``), declare a durable queue of
+   your own and bind it to that corpus's topic exchange ``tm.events.<corpus_id>`` with the patterns
+   you care about (``message.*.*``: every appended message, in every partition). Several corpora may
+   share one broker: ``tm.events`` carries all of them, ``tm.events.<corpus_id>`` only this one.
+   Still check each envelope's ``corpus_id`` and ``lineage``.
 2. Catch up from ``GET /corpus/changes.jsonl?after=<last applied>`` first: the queue only holds
    what was published after it was bound.
 3. Consume the queue with manual acks; apply each change once: skip any sequence at or below the
@@ -27,14 +30,16 @@ from pathlib import Path
 import aio_pika
 import aiohttp
 
-EXCHANGE = "tm.events"
+#: Each corpus publishes on its own exchange, bound into ``tm.events`` (which carries every corpus).
+EXCHANGE_PREFIX = "tm.events."
 
 
 class Follower:
     """Applies changes exactly once in effect, whatever way they arrive."""
 
-    def __init__(self, state: Path, lineage: str | None = None) -> None:
+    def __init__(self, state: Path, corpus_id: str, lineage: str | None = None) -> None:
         self.state = state
+        self.corpus_id = corpus_id
         saved = json.loads(state.read_text()) if state.exists() else {}
         self.last: int = saved.get("last_sequence", 0)
         self.lineage: str | None = saved.get("lineage", lineage)
@@ -42,6 +47,9 @@ class Follower:
 
     def apply(self, envelope: dict) -> bool:
         """Apply one change; False when it was already applied (a duplicate)."""
+        if envelope["corpus_id"] != self.corpus_id:
+            raise SystemExit(f"change of corpus {envelope['corpus_id']}, expected {self.corpus_id}: "
+                             "the queue is bound to another corpus's exchange")
         if self.lineage is not None and envelope["lineage"] != self.lineage:
             raise SystemExit(f"change from lineage {envelope['lineage']}, expected {self.lineage}: "
                              "the corpus was restored; start again from /corpus/snapshot.jsonl")
@@ -86,13 +94,24 @@ async def catch_up(follower: Follower, node: str, types: set[str] | None) -> Non
                 return
 
 
+async def corpus_id_of(node: str) -> str:
+    """The corpus the node serves, from ``GET /corpus``."""
+    async with aiohttp.ClientSession() as session, session.get(f"{node}/corpus") as resp:
+        if resp.status != 200:
+            raise SystemExit(f"/corpus answered {resp.status}: {await resp.text()}")
+        return str((await resp.json())["corpus_id"])
+
+
 async def follow(args: argparse.Namespace) -> int:
-    follower = Follower(Path(args.state))
+    node = args.node.rstrip("/")
+    follower = Follower(Path(args.state), await corpus_id_of(node))
     connection = await aio_pika.connect_robust(args.amqp)
     async with connection:
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=100)
-        exchange = await channel.declare_exchange(EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+        # Declaring it is harmless (the node's publisher declares the same durable topic exchange).
+        exchange = await channel.declare_exchange(EXCHANGE_PREFIX + follower.corpus_id,
+                                                  aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(args.queue, durable=True,
                                             arguments={"x-queue-type": "quorum"})
         for pattern in args.pattern:
@@ -100,7 +119,7 @@ async def follow(args: argparse.Namespace) -> int:
         # Bound first, then caught up: whatever is published from now on is in the queue, and
         # whatever was published before is in the export. Duplicates between the two are skipped.
         types = _types(args.pattern)
-        await catch_up(follower, args.node.rstrip("/"), types)
+        await catch_up(follower, node, types)
         print(f"caught up at {follower.last}", flush=True)
         if args.stop_after is not None and follower.applied >= args.stop_after:
             return 0
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queue", required=True, help="your durable queue's name")
     parser.add_argument("--state", required=True, help="file keeping the last applied sequence")
     parser.add_argument("--pattern", action="append", default=None,
-                        help="binding pattern on tm.events (repeatable; default message.*.*)")
+                        help="binding pattern on tm.events.<corpus_id> (repeatable; default message.*.*)")
     parser.add_argument("--stop-after", type=int, default=None, help="exit after applying N changes")
     args = parser.parse_args(argv)
     args.pattern = args.pattern or ["message.*.*"]
