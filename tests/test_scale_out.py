@@ -89,6 +89,8 @@ class Followed:
     sequences: list[int] = field(default_factory=list)
     #: Anything wrong in what arrived (envelope not matching its id or routing key, ...).
     problems: list[str] = field(default_factory=list)
+    #: The corpus of each arrival (durable queues), beside its sequence.
+    corpus_ids: list[str] = field(default_factory=list)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, sequence: int) -> None:
@@ -113,6 +115,8 @@ class SseFollower(Followed):
     """An SSE client of one web node: ``?after=0`` once, then ``Last-Event-ID`` after any drop."""
 
     base: str = ""
+    #: When set, every envelope must belong to this corpus (several corpora may share the broker).
+    corpus_id: str = ""
     connections: int = 0
     #: Why each connection ended (dropped, ``stream-error``, bad status), for failure messages.
     endings: list[str] = field(default_factory=list)
@@ -136,7 +140,8 @@ class SseFollower(Followed):
                                 continue
                             sequence = int(frame.id)
                             envelope = frame.json()
-                            if envelope["sequence"] != sequence or envelope["type"] != frame.event:
+                            if envelope["sequence"] != sequence or envelope["type"] != frame.event or \
+                                    (self.corpus_id and envelope["corpus_id"] != self.corpus_id):
                                 self.problems.append(f"frame {frame.id} {frame.event}: {frame.data[:200]}")
                             last = sequence
                             self.add(sequence)
@@ -148,8 +153,9 @@ class SseFollower(Followed):
 
 
 @contextlib.asynccontextmanager
-async def sse_followers(urls: list[str]) -> AsyncIterator[list[SseFollower]]:
-    followers = [SseFollower(base=url) for url in urls]
+async def sse_followers(urls: list[str], corpus_ids: list[str] | None = None) -> AsyncIterator[list[SseFollower]]:
+    followers = [SseFollower(base=url, corpus_id=corpus) for url, corpus in zip(urls, corpus_ids or [""] * len(urls),
+                                                                                strict=True)]
     async with aiohttp.ClientSession() as session:
         tasks = [asyncio.create_task(f.run(session)) for f in followers]
         try:
@@ -161,16 +167,18 @@ async def sse_followers(urls: list[str]) -> AsyncIterator[list[SseFollower]]:
 
 
 @contextlib.asynccontextmanager
-async def durable_queue(amqp_url: str, pattern: str) -> AsyncIterator[Followed]:
-    """A durable quorum queue of the test's own bound to ``tm.events``, consumed with manual acks
-    (ack after recording) over a robust connection; deleted afterwards."""
+async def durable_queue(amqp_url: str, pattern: str, exchange_name: str = "tm.events",
+                        corpus_id: str = "") -> AsyncIterator[Followed]:
+    """A durable quorum queue of the test's own bound to ``exchange_name`` (``tm.events``: every
+    corpus; ``tm.events.<corpus_id>``: one), consumed with manual acks (ack after recording) over a
+    robust connection; deleted afterwards. With ``corpus_id``, an event of another corpus is a problem."""
     received = Followed()
     connection = await aio_pika.connect_robust(amqp_url, reconnect_interval=0.5,
                                              client_properties={"connection_name": "test:scale-out"})
     try:
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=200)
-        exchange = await channel.declare_exchange("tm.events", aio_pika.ExchangeType.TOPIC, durable=True)
+        exchange = await channel.declare_exchange(exchange_name, aio_pika.ExchangeType.TOPIC, durable=True)
         queue = await channel.declare_queue(f"test.scale-out.{uuid.uuid4().hex[:12]}", durable=True,
                                             arguments={"x-queue-type": "quorum"})
         await queue.bind(exchange, pattern)
@@ -181,8 +189,11 @@ async def durable_queue(amqp_url: str, pattern: str) -> AsyncIterator[Followed]:
                 sequence = int(envelope["sequence"])
                 routing_key = message.routing_key or ""
                 if routing_key != f"{envelope['type']}.{envelope['partition']}" or \
-                        (message.headers or {}).get("x-corpus-sequence") != sequence:
+                        (message.headers or {}).get("x-corpus-sequence") != sequence or \
+                        (corpus_id and (envelope["corpus_id"], (message.headers or {}).get("x-corpus-id"))
+                         != (corpus_id, corpus_id)):
                     received.problems.append(f"{routing_key} {message.headers}: {message.body[:200]!r}")
+                received.corpus_ids.append(str(envelope["corpus_id"]))
                 received.add(sequence)
 
         tag = await queue.consume(on_message, no_ack=False)
