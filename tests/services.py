@@ -74,8 +74,9 @@ def require(service: str) -> str:
 def private_vhost(amqp_url: str) -> Iterator[str]:
     """``amqp_url`` moved to a fresh RabbitMQ virtual host, deleted afterwards.
 
-    The corpus writer's queue has a fixed name (``tm.commands.writer``), so two test runs sharing a
-    broker would consume each other's commands; a vhost per run keeps them apart. Needs
+    Corpus-bound names keep two corpora apart on one broker, but a run's ``tm.dead.letters`` and
+    firehose bindings on ``tm.events`` would still mix with another run's; a vhost per run keeps
+    them apart. Needs
     ``rabbitmqctl`` on this machine (CI has it); without it the URL is used as given.
     """
     if shutil.which("rabbitmqctl") is None:

@@ -5,8 +5,8 @@ identical request with the same Operation-Token on any 5xx, connection error or 
 write succeed exactly once, whatever died in between; and an outage of the database is a 503 the
 client can retry, never a 500, with writes succeeding again once the database is back.
 
-RabbitMQ tests run in a virtual host of their own: the writer's queue has a fixed name
-(``tm.commands.writer``), and a writer of another test on the same broker must not consume ours.
+RabbitMQ tests run in a virtual host of their own, so that nothing of another test run on the same
+broker (its dead letters, its traffic on ``tm.events``) mixes with ours.
 """
 
 from __future__ import annotations

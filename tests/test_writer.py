@@ -287,3 +287,28 @@ async def test_the_writer_unbinds_the_single_corpus_queue(bus: Bus) -> None:
             await writer.stop(grace=2)
     finally:
         await bus.delete_queue(legacy)  # type: ignore[attr-defined]
+
+
+async def test_a_command_the_store_cannot_apply_is_never_a_500(bus: Bus, db: Database) -> None:
+    """A command of this corpus that the store fails on (here: an author this database does not
+    know, as a command of another corpus would be) is refused with a 4xx or 503, never 500, and
+    writes nothing; a 503 ``write_not_applied`` command is kept in the dead letters with the reason."""
+    identity = await ensure_identity(db, None, None)
+    seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand),
+                                      queue=writer_queue(identity.scope).name)
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
+    await writer.start()
+    try:
+        stranger = WriteCommand(operation="conversation.create", target=None, body={"subject": "s", "content": "c"},
+                                author_id=str(uuid.uuid4()), author_name="stranger", token="t-unknown-author")
+        reply = await ask(bus, stranger, timeout=30, scope=identity.scope, operation=stranger.operation)
+        assert isinstance(reply.message, ErrorReply)
+        assert reply.message.status == 503 or 400 <= reply.message.status < 500, reply.message
+        assert await db.pool.fetchval("select count(*) from changes") == 0
+        if reply.message.code == "write_not_applied":
+            async with asyncio.timeout(10):
+                d = await seen
+            assert "the writer failed on it" in str(d.headers[DEAD_REASON_HEADER])
+    finally:
+        await writer.stop(grace=2)
+        await watcher.drain(1)
