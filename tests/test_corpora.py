@@ -26,14 +26,18 @@ import asyncpg
 import orjson
 import pytest
 
+from actors.writer import writer_queue
+from infra.bus.base import Delivery
+from protocol.commands import WriteResult
+from protocol.routing import CorpusScope
 from tests import services
-from tests.corpus_fixtures import Agent
+from tests.corpus_fixtures import Agent, Stack
 from tests.db_fixtures import fresh_database
 from tests.deployment import WAIT, Deployment, deployment
 from tests.sse import frames
 from tests.test_scale_out import assert_stream_exact, durable_queue, register, sse_followers, until
 
-pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 #: Writes sent to each node, all at once.
 WRITES = 20
@@ -97,6 +101,8 @@ async def sequences(database_url: str) -> list[int]:
         await conn.close()
 
 
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
 async def test_two_corpora_on_one_vhost_never_cross_talk(
         tmp_path: Path, rabbitmq_url: str, database_url: str, second_database_url: str) -> None:
     (tmp_path / "a").mkdir()
@@ -170,6 +176,8 @@ async def _dead_letters(amqp_url: str, want: int) -> list[aio_pika.abc.AbstractI
     return out
 
 
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
 async def test_a_foreign_command_and_a_foreign_event_are_dead_lettered_with_the_reason(
         tmp_path: Path, own_vhost: str, database_url: str) -> None:
     """Put on the broker by hand under this corpus's names but naming another corpus: the writer
@@ -235,3 +243,23 @@ async def test_a_foreign_command_and_a_foreign_event_are_dead_lettered_with_the_
                         envelope = frame.json()
                         assert (envelope["corpus_id"], envelope["data"]["conversation"]["subject"]) == (corpus, "native")
                         break
+
+
+async def test_a_reply_from_another_corpus_writer_is_never_passed_on(stack: Stack) -> None:
+    """A writer of another corpus answering on this corpus's queue (a misbound queue, an older
+    writer): its 201 must not become this node's answer. The node's own writer is stopped and a
+    stand-in consumer of the corpus's queue answers every command with a foreign-corpus 201."""
+    await stack.writer.stop(grace=2)
+    foreign = CorpusScope(str(uuid.uuid4()), str(uuid.uuid4()))
+
+    async def impostor(delivery: Delivery) -> None:
+        await stack.bus.reply(delivery, WriteResult(status=201, body="{}", sequence=1), headers=foreign.headers())
+
+    consumer = await stack.bus.consume(writer_queue(stack.identity.scope).name, impostor, prefetch=4)
+    try:
+        alice = await stack.register()
+        reply = await stack.post(alice, "/conversations", {"subject": "s", "content": "c"})
+        assert reply.status == 503, reply.body
+        assert reply.body["error"]["code"] == "lineage_unavailable"
+    finally:
+        await consumer.drain(2)

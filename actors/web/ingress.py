@@ -18,6 +18,7 @@ Each write goes the same way, in this order, so that the cheapest refusal comes 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -39,6 +40,7 @@ from protocol.errors import (
     TooManyRequests,
     Unroutable,
 )
+from protocol.events import HEADER_CORPUS_ID, HEADER_LINEAGE
 from protocol.messages import ErrorReply
 
 OPERATION_TOKEN_HEADER = "Operation-Token"
@@ -91,17 +93,18 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
             "No corpus writer is running, so the write was not accepted.", code="writer_unavailable",
             how_to_proceed="Retry in a few seconds with the same Operation-Token; the operator must start "
                            "a writer ('toastmachine run writer').") from None
+    message = reply.message
     refusal = scope.refusal(reply.headers)
-    if refusal is not None:
-        # Only a misbound queue or a writer of another version gets here; whatever it did, it did
-        # not do it to this corpus, and its answer must not be mistaken for this corpus's.
+    # A result claims a commit, so it must come from this corpus's writer. An error reply without
+    # corpus headers comes from the bus layer itself (an undecodable command), which knows no
+    # corpus and applied nothing: passed on as it is. One naming another corpus is refused.
+    if refusal is not None and (isinstance(message, WriteResult) or _names_a_corpus(reply.headers)):
         log.error("ingress.foreign_reply", operation=operation, reason=refusal)
         raise ServiceUnavailable(
             "The write was answered by a corpus writer of another corpus or history; its outcome here is unknown.",
             code="lineage_unavailable",
             how_to_proceed="Retry the identical request with the same Operation-Token later; the operator must "
                            "give every process of this node the same corpus identity.")
-    message = reply.message
     if isinstance(message, WriteResult):
         headers = {REPLAYED_HEADER: "true"} if message.replayed else None
         return web.Response(body=message.body.encode(), status=message.status, headers=headers,
@@ -111,6 +114,10 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
                        how_to_proceed=message.how_to_proceed, extra=message.extra)
     raise ServiceUnavailable("The writer answered with something unexpected; the outcome is unknown.",
                              how_to_proceed="Retry the identical request with the same Operation-Token.")
+
+
+def _names_a_corpus(headers: Mapping[str, object]) -> bool:
+    return HEADER_CORPUS_ID in headers or HEADER_LINEAGE in headers
 
 
 async def create_conversation(request: web.Request) -> web.Response:
