@@ -312,6 +312,9 @@ class RabbitBus(Bus):
             channel = await connection.channel(publisher_confirms=False)
             try:
                 underlay = await channel.get_underlay_channel()
+                # queue.unbind itself succeeds for a missing queue on some broker versions: ask first.
+                await underlay.queue_declare(queue, passive=True)
+                await underlay.exchange_declare(exchange, passive=True)
                 await underlay.queue_unbind(queue=queue, exchange=exchange, routing_key=pattern)
             except aiormq.exceptions.ChannelNotFoundEntity:
                 return False  # no such queue or exchange: no such binding either
