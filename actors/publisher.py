@@ -20,7 +20,7 @@ and moves the cursor on that same connection: if it drops, the publisher stops p
 (another may already have taken over) and goes back to standby.
 
 Emits: events on its corpus's exchange ``tm.events.<corpus_id>`` (:mod:`protocol.routing`), which it
-binds into ``tm.events`` with ``#`` at start-up so that ``tm.events`` still carries every event of
+declares and binds into ``tm.events`` with ``#`` before its first publish, so that ``tm.events`` still carries every event of
 every corpus sharing the broker; at least once each. Every event carries its corpus headers; an
 envelope in the history that names another corpus or lineage than the publisher's identity stops
 the publisher (it is never published under this corpus's name). A publisher whose node failed the
@@ -390,7 +390,7 @@ class EventPublisher(Actor):
     def _decode(self, row: Any) -> ChangeEvent:
         event = self._decode_row(row)
         assert self.scope is not None
-        refusal = self.scope.refusal(event_headers(event), corpus_id=event.corpus_id, lineage=event.lineage)
+        refusal = self.scope.refusal(event_headers(event))  # the headers it would carry, from the envelope
         if refusal is not None:
             # A history holding another corpus's envelopes (a botched restore or copy): publishing
             # them here would hand every consumer of this corpus changes that are not its own.

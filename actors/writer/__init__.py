@@ -25,8 +25,9 @@ Does, for each command:
 Emits: one reply per command to its requester, after the commit, carrying this corpus's headers
 (the requester checks them); the delivery is acked after the reply. A command it cannot apply is
 never answered 500: a failure that is not the database's gets 503 ``write_not_applied`` (nothing was
-committed) and the command is dead-lettered with the reason. A writer killed between commit and ack loses nothing: the command is redelivered and its
-idempotency record answers the stored result without writing anything new.
+committed) and the command is dead-lettered with the reason. A writer killed between commit and ack
+loses nothing: the command is redelivered and its idempotency record answers the stored result
+without writing anything new.
 """
 
 from __future__ import annotations
