@@ -164,8 +164,6 @@ class NotificationHub:
         self.bus = bus
         self.db = db
         self.scope = scope
-        #: Foreign events refused (dead-lettered) since start.
-        self.refused = 0
         self.heartbeat = heartbeat
         self._ticker: asyncio.Task[None] | None = None
         self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
@@ -244,7 +242,6 @@ class NotificationHub:
         if refusal is not None:
             # Passing it on would show this node's streams another corpus's change under this
             # corpus's sequence numbers (and the hole filling would hide it as a duplicate later).
-            self.refused += 1
             log.warning("hub.foreign_event", sequence=event.sequence, reason=refusal)
             await delivery.dead_letter(refusal)
             return
