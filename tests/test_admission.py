@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 import pytest
+import structlog
+import structlog.testing
 from aiohttp.test_utils import TestClient
 
 from actors.web.app import make_app
@@ -166,6 +168,27 @@ async def test_forwarding_headers_from_a_trusted_proxy_name_the_client(stack: St
                         {"Forwarded": "for"}, {"X-Forwarded-For": "203.0.113.10", "Forwarded": "for=203.0.113.11"}):
             assert await register(stack.client, **headers) in (201, 429)
         assert await _budget_keys(stack) == ["127.0.0.1/32", "203.0.113.7/32", "2001:db8:1:2::/64"]
+
+
+@pytest.mark.stack_env(TOASTMACHINE_TRUSTED_PROXIES="127.0.0.1")
+async def test_log_lines_name_the_client_the_registration_was_charged_to(stack: Stack) -> None:
+    async with second_node(stack) as untrusting:  # the default: trust nobody
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            forwarded = {"X-Forwarded-For": "198.51.100.1, 203.0.113.50"}
+            trusted = await post(stack.client, None, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"}, **forwarded)
+            untrusted = await post(untrusting, None, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"}, **forwarded)
+    clients = {line["agent_id"]: line["client"] for line in logs if line["event"] == "agent.registered"}
+    assert clients == {trusted.body["agent_id"]: "203.0.113.50", untrusted.body["agent_id"]: "127.0.0.1"}
+
+
+@pytest.mark.stack_env(TOASTMACHINE_REGISTER_PER_MINUTE="1000000", TOASTMACHINE_TRUSTED_PROXIES="127.0.0.1")
+async def test_the_registration_budget_keeps_only_rows_that_carry_state(stack: Stack) -> None:
+    # At this rate a row carries state for 60 microseconds: each registration drops those before it.
+    for i in range(30):
+        reply = await post(stack.client, None, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"},
+                           **{"X-Forwarded-For": f"203.0.113.{i + 1}"})
+        assert reply.status == 201, reply.body
+    assert await stack.db.pool.fetchval("select count(*) from registration_budget") <= 3
 
 
 async def _budget_keys(stack: Stack) -> list[str]:
