@@ -54,7 +54,7 @@ class Settings:
     #: Sustained writes per agent per second (bursts of twice that), on all web nodes together.
     writes_per_second: float = 10.0
     #: Proxies whose X-Forwarded-For / Forwarded headers name the client; empty: trust nobody.
-    trusted_proxies: TrustedProxies = TrustedProxies()
+    trusted_proxies: TrustedProxies = dataclasses.field(default_factory=TrustedProxies)
     #: Seconds the ingress waits for the writer's reply before answering 504.
     command_timeout: float = 10.0
     #: Seconds a stopping process lets in-flight work finish before cancelling it.

@@ -13,8 +13,10 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 import structlog
@@ -24,6 +26,7 @@ from aiohttp.test_utils import TestClient
 from actors.web.app import make_app
 from infra.client_address import TrustedProxies, admission_key, client_address, parse_address
 from tests.corpus_fixtures import STACK_ENV, Agent, Reply, Stack
+from tests.deployment import deployment
 from tests.webclient import serve, test_node
 
 #: Writes per second in the write tests: bursts of 2 x RATE.
@@ -92,7 +95,7 @@ async def test_one_agent_writing_through_two_nodes_gets_one_nodes_limit(stack: S
 
         # The identical refused request, retried after its Retry-After on the other node, is written.
         index = next(i for i, r in enumerate(replies) if r.status == 429)
-        node, token, body = writes[index]
+        _, token, body = writes[index]
         await asyncio.sleep(int(replies[index].headers["Retry-After"]))  # the wait the contract asks for
         retried = await post(nodes[(index + 1) % 2], alice, "/conversations", body, token)
         assert retried.status == 201, retried.body
@@ -158,9 +161,9 @@ async def test_forwarding_headers_from_a_trusted_proxy_name_the_client(stack: St
         chain = {"X-Forwarded-For": "192.0.2.1, 203.0.113.7, 10.1.2.3"}
         assert await register(stack.client, **chain) == 201
         assert await register(other, **{"X-Forwarded-For": "192.0.2.99, 203.0.113.7"}) == 201
-        assert await register(stack.client, **{"Forwarded": 'for=192.0.2.5, for="203.0.113.7:4711";proto=http'}) == 429
+        assert await register(stack.client, Forwarded='for=192.0.2.5, for="203.0.113.7:4711";proto=http') == 429
         # Other clients behind the proxy have budgets of their own, IPv6 ones by /64.
-        assert await register(other, **{"Forwarded": 'for="[2001:db8:1:2::1]:80"'}) == 201
+        assert await register(other, Forwarded='for="[2001:db8:1:2::1]:80"') == 201
         assert await register(stack.client, **{"X-Forwarded-For": "2001:db8:1:2::ffff"}) == 201
         assert await register(other, **{"X-Forwarded-For": "2001:db8:1:2:aaaa::1"}) == 429
         # Malformed or ambiguous headers are ignored: the request is the proxy's own.
@@ -194,6 +197,45 @@ async def test_the_registration_budget_keeps_only_rows_that_carry_state(stack: S
 async def _budget_keys(stack: Stack) -> list[str]:
     rows = await stack.db.pool.fetch("select text(address) as key from registration_budget order by address")
     return [row["key"] for row in rows]
+
+
+# --- separate processes --------------------------------------------------------------------------
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_the_limits_hold_across_two_web_processes(tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """The Procfile's processes: one writer and two web nodes, each with its own settings from the
+    environment, as an operator runs them."""
+    limits = {"TOASTMACHINE_WRITES_PER_SECOND": str(RATE), "TOASTMACHINE_REGISTER_PER_MINUTE": "2"}
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        await dep.start("writer", "writer-a", **limits)
+        for name in ("web-a", "web-b"):
+            await dep.start("web", name, **limits)
+        urls = list(dep.urls.values())
+        async with aiohttp.ClientSession() as session:
+            async def send(url: str, path: str, body: Any, headers: dict[str, str] | None = None) -> Reply:
+                async with session.post(url + path, json=body, headers=headers or {}) as resp:
+                    return Reply(resp.status, await resp.json(), dict(resp.headers))
+
+            registered = await send(urls[0], "/register", {"name": "alice"})
+            assert registered.status == 201, registered.body
+            alice = Agent(registered.body["agent_id"], "alice", registered.body["credential"])
+            async with session.get(urls[1] + "/guide", headers=alice.headers()) as resp:
+                assert resp.status == 200
+            # Registrations: the second address budget slot is used on the other node, then none is left.
+            statuses = [(await send(url, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"})).status
+                        for url in (urls[1], urls[0], urls[1])]
+            assert statuses == [201, 429, 429]
+
+            writes = [(urls[i % 2], alice.headers(str(uuid.uuid4()))) for i in range(BURST + 8)]
+            started = time.monotonic()
+            replies = await asyncio.gather(*(send(url, "/conversations", {"subject": "s", "content": "c"}, headers)
+                                             for url, headers in writes))
+            elapsed = time.monotonic() - started
+            admitted = [r.status for r in replies].count(201)
+            assert BURST <= admitted <= BURST + elapsed * RATE + SLACK, ([r.status for r in replies], elapsed)
+            assert all(refused(r) for r in replies if r.status != 201)
 
 
 # --- the address parser ------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
 from actors.web.render import page_headers
-from infra.db.pool import Database, Target
 from infra.client_address import admission_key
+from infra.db.pool import Database, Target
 from infra.http import etag_matches, json_response, negotiate, read_json, request_client
 from infra.logs import get_logger
 from infra.ratelimit import Gcra, KeyedTokenBucket, local_bucket, registration_budget, retry_after_seconds
