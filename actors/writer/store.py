@@ -25,6 +25,8 @@ budget, it is answered 429 ``rate_limited`` with ``retry_after`` and writes noth
 idempotency claim, so the client retries the identical request later with the same token. Phase 2's
 statement advances each agent's budget by the changes the batch commits. The row lock makes every
 writer process see one budget per agent: the limit holds however many web nodes and writers run.
+The price: two batches with an agent in common run one after the other (the second waits for the
+first's commit), where they used to overlap; batches of different agents still overlap.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ class CorpusStore:
         """Refuse ``prepared`` with 429 when its agent's budget is spent (it then writes nothing)."""
         if self.write_budget is None:
             return
-        budget = state.budgets[prepared.command.author_id]
+        budget = state.budgets[str(uuid.UUID(prepared.command.author_id))]
         wait = self.write_budget.wait(budget.tat, budget.now, budget.taken)
         if wait > 0:
             seconds = retry_after_seconds(wait)
@@ -482,7 +484,7 @@ class CorpusStore:
     def _staged(state: _Batch, index: int, prepared: Prepared, change: _Change) -> None:
         state.claimed[prepared.key] = index
         state.changes.append(change)
-        budget = state.budgets.get(prepared.command.author_id)
+        budget = state.budgets.get(str(uuid.UUID(prepared.command.author_id))) if state.budgets else None
         if budget is not None:
             budget.taken += 1
 
