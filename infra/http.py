@@ -89,7 +89,8 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
         started = time.perf_counter()
         client = request[CLIENT_ADDRESS] = resolve_client(request, trusted)
         with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
-                         method=request.method, path=request.path, client=str(client)) as trace_id:
+                         method=request.method, path=request.path,
+                         client=str(client) if client is not None else "unknown") as trace_id:
             try:
                 response = await handler(request)
             except ApiError as e:
