@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from actors.publisher import EventPublisher, export_metrics
 from actors.writer import CorpusWriter
+from infra.ratelimit import write_budget
 from infra.runtime import Actor
 
 if TYPE_CHECKING:
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 def _writer(node: Node) -> Actor:
     return CorpusWriter(node.bus, node_id=node.settings.node_id, db=node.db, identity=node.identity,
                         identity_error=node.identity_error, prefetch=node.settings.prefetch,
-                        max_batch=node.settings.writer_max_batch, linger=node.settings.writer_linger_ms / 1000)
+                        max_batch=node.settings.writer_max_batch, linger=node.settings.writer_linger_ms / 1000,
+                        write_budget=write_budget(node.settings.writes_per_second))
 
 
 def _publisher(node: Node) -> Actor:

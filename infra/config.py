@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from infra.client_address import TrustedProxies
 from protocol.errors import ConfigError
 
 PREFIX = "TOASTMACHINE_"
@@ -48,10 +49,12 @@ class Settings:
     log_format: str = "console"
     #: Root log level.
     log_level: str = "info"
-    #: Registrations per client address per minute.
+    #: Registrations per client address per minute, on all web nodes together.
     register_per_minute: int = 20
-    #: Sustained writes per agent per second (bursts of twice that).
+    #: Sustained writes per agent per second (bursts of twice that), on all web nodes together.
     writes_per_second: float = 10.0
+    #: Proxies whose X-Forwarded-For / Forwarded headers name the client; empty: trust nobody.
+    trusted_proxies: TrustedProxies = dataclasses.field(default_factory=TrustedProxies)
     #: Seconds the ingress waits for the writer's reply before answering 504.
     command_timeout: float = 10.0
     #: Seconds a stopping process lets in-flight work finish before cancelling it.
@@ -109,6 +112,7 @@ class Settings:
             log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
             register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),
             writes_per_second=get("WRITES_PER_SECOND", _float(0.001, 1_000_000), d.writes_per_second),
+            trusted_proxies=get("TRUSTED_PROXIES", _trusted_proxies, d.trusted_proxies),
             command_timeout=get("COMMAND_TIMEOUT", _float(0.1, 600), d.command_timeout),
             shutdown_grace=get("SHUTDOWN_GRACE", _float(0, 600), d.shutdown_grace),
             prefetch=get("PREFETCH", _int(1, 10_000), d.prefetch),
@@ -195,6 +199,13 @@ def _uuid(var: str, raw: str) -> uuid.UUID:
         return uuid.UUID(raw)
     except ValueError:
         raise ConfigError(f"{var} must be a UUID, got {raw!r}") from None
+
+
+def _trusted_proxies(var: str, raw: str) -> TrustedProxies:
+    try:
+        return TrustedProxies.parse(raw)
+    except ValueError as e:
+        raise ConfigError(f"{var} must be comma-separated IP addresses or CIDR networks: {e}") from None
 
 
 def _node_id(var: str, raw: str) -> str:

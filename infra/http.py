@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from infra.client_address import Address, TrustedProxies, client_address
 from infra.db.pool import UNAVAILABLE_ERRORS as DB_UNAVAILABLE_ERRORS
 from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
@@ -34,6 +35,8 @@ from protocol.errors import (
 log = get_logger("toastmachine.http")
 
 TRACE_RESPONSE_HEADER = "X-Trace-Id"
+#: The request's client address, resolved once by the middleware (see :func:`request_client`).
+CLIENT_ADDRESS: web.RequestKey[Address | None] = web.RequestKey("client_address")
 _TRACE_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
 
@@ -61,15 +64,33 @@ def _from_http_exception(exc: web.HTTPException) -> ApiError:
                     how_to_proceed="Check the request against GET /openapi.json.")
 
 
-def make_middleware(metrics: Metrics | None = None) -> Any:
-    """The one middleware: binds a trace id, renders errors, records request metrics."""
+def resolve_client(request: web.BaseRequest, trusted: TrustedProxies) -> Address | None:
+    """The client address of ``request``: its TCP peer, or what trusted proxies forwarded
+    (:mod:`infra.client_address`)."""
+    return client_address(request.remote, request.headers.getall("Forwarded", []),
+                          request.headers.getall("X-Forwarded-For", []), trusted)
+
+
+def request_client(request: web.Request) -> Address | None:
+    """The client address the middleware resolved for ``request`` (the TCP peer without it)."""
+    if CLIENT_ADDRESS in request:
+        return request[CLIENT_ADDRESS]
+    return resolve_client(request, TrustedProxies())
+
+
+def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProxies | None = None) -> Any:
+    """The one middleware: resolves the client address, binds a trace id, renders errors, records
+    request metrics. ``trusted_proxies``: whose forwarding headers name the client (default nobody)."""
+    trusted = trusted_proxies or TrustedProxies()
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         incoming = request.headers.get(TRACE_RESPONSE_HEADER, "")
         started = time.perf_counter()
+        client = request[CLIENT_ADDRESS] = resolve_client(request, trusted)
         with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
-                         method=request.method, path=request.path) as trace_id:
+                         method=request.method, path=request.path,
+                         client=str(client) if client is not None else "unknown") as trace_id:
             try:
                 response = await handler(request)
             except ApiError as e:

@@ -1,9 +1,14 @@
-"""Admission limits: token buckets keyed by client address or agent, in bounded memory.
+"""Admission limits: the arithmetic of the corpus-wide budgets, and the edge's local token buckets.
 
-These limits are **per node process**: each web node keeps its own buckets in memory, so with N
-nodes behind a load balancer a client can get up to N times the configured rate, and a restart
-forgets every bucket. That is the intended trade-off for a cheap first line of defence in front of
-the database; a corpus-wide quota would need shared state (PostgreSQL or RabbitMQ), not this.
+Two layers, with the same rate and burst:
+
+- :class:`Gcra`: the generic cell rate algorithm behind the **corpus-wide** budgets, whose state (one
+  theoretical arrival time per key) lives in PostgreSQL (migration 0005): the corpus writer keeps
+  each agent's write budget in the transaction of every batch, ``POST /register`` each address's
+  registration budget in the statement that inserts the agent. One or N web nodes give the same limit.
+- :class:`KeyedTokenBucket`: a **per node process** pre-filter in memory, so that a flood from one
+  agent or address is refused on the edge before it costs a database round trip. On its own it
+  would let N nodes allow N times the rate, and a restart forgets it; the database budget decides.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 #: How many not-yet-full buckets :meth:`KeyedTokenBucket.take` looks at, oldest first, when it has to
 #: make room. Bounding the scan keeps a flood of new keys from turning every request into a walk over
@@ -19,6 +26,65 @@ SCAN_LIMIT = 64
 
 # Float slack when comparing refilled levels, so waiting exactly the advertised time always admits.
 _EPSILON = 1e-9
+# The same for epoch seconds (about 1.7e9, where a double resolves about 0.2 microseconds).
+_CLOCK_SLACK = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Gcra:
+    """The generic cell rate algorithm for ``rate`` requests a second with bursts of ``burst``.
+
+    State per key is one number, the theoretical arrival time ``tat`` (seconds on a clock shared by
+    everyone who decides, here the database's): the moment the key's budget would be fully spent
+    at the sustained rate. A key with no state, or a ``tat`` in the past, has its whole burst.
+    Request ``i`` (0-based) of several taken at ``now`` is admitted when
+    ``max(tat, now) + i * interval <= now + tolerance``; taking ``n`` moves ``tat`` to
+    ``max(tat, now) + n * interval``.
+    """
+
+    rate: float
+    burst: float
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+        if not self.burst >= 1:
+            raise ValueError(f"burst must be at least 1, got {self.burst}")
+
+    @property
+    def interval(self) -> float:
+        """Seconds one request costs: 1 / rate."""
+        return 1.0 / self.rate
+
+    @property
+    def tolerance(self) -> float:
+        """How far ahead of ``now`` the ``tat`` may be for a request to be admitted: (burst - 1) / rate."""
+        return (self.burst - 1.0) / self.rate
+
+    def wait(self, tat: float, now: float, taken: int = 0) -> float:
+        """Seconds until request number ``taken`` (0-based, after ``taken`` others at ``now``) is
+        admitted; 0.0 when it is admitted now."""
+        due = max(tat, now) + taken * self.interval - self.tolerance
+        return 0.0 if due <= now + _CLOCK_SLACK else due - now
+
+    def advance(self, tat: float, now: float, taken: int) -> float:
+        """The new ``tat`` once ``taken`` requests were admitted at ``now``."""
+        return max(tat, now) + taken * self.interval
+
+
+def write_budget(writes_per_second: float) -> Gcra:
+    """Each agent's write budget (TOASTMACHINE_WRITES_PER_SECOND): that rate sustained, bursts of twice it."""
+    return Gcra(rate=writes_per_second, burst=max(1.0, 2 * writes_per_second))
+
+
+def registration_budget(per_minute: int) -> Gcra:
+    """Each client address's registration budget (TOASTMACHINE_REGISTER_PER_MINUTE): bursts of a minute's worth."""
+    return Gcra(rate=per_minute / 60.0, burst=float(per_minute))
+
+
+def local_bucket(budget: Gcra, **kwargs: Any) -> KeyedTokenBucket:
+    """The edge's in-memory pre-filter for ``budget``: the same rate and burst, in this process only."""
+    return KeyedTokenBucket(rate=budget.rate, burst=budget.burst, **kwargs)
 
 
 class _Bucket:

@@ -22,7 +22,9 @@ from actors.web.app import make_app
 from actors.writer import CorpusWriter
 from infra.bus import make_bus
 from infra.bus.base import Bus
+from infra.config import Settings
 from infra.db import CorpusIdentity, Database, apply_migrations, ensure_identity
+from infra.ratelimit import write_budget
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
 
@@ -171,7 +173,8 @@ async def running_stack(dsn: str, amqp_url: str | None, env: dict[str, str]) -> 
         await apply_migrations(db)
         identity = await ensure_identity(db, None, None)
         await bus.connect()
-        writer = CorpusWriter(bus, node_id="test-writer", db=db, identity=identity)
+        budget = write_budget(Settings.from_env(env).writes_per_second)
+        writer = CorpusWriter(bus, node_id="test-writer", db=db, identity=identity, write_budget=budget)
         await writer.start()
         try:
             async with serve(make_app(test_node(db, bus, env, identity=identity))) as client:

@@ -36,6 +36,7 @@ def test_every_variable_is_read() -> None:
         "TOASTMACHINE_REGISTER_PER_MINUTE": "5",
         "TOASTMACHINE_WRITES_PER_SECOND": "2.5",
         "TOASTMACHINE_NODE_ID": "web-1",
+        "TOASTMACHINE_TRUSTED_PROXIES": "127.0.0.1, 10.0.0.0/8,::1",
     })
     assert s.port == 9000 and s.host == "0.0.0.0"
     assert s.data_dir == Path("/tmp/tm-data")
@@ -44,6 +45,8 @@ def test_every_variable_is_read() -> None:
     assert s.base_url == "https://toast.example"
     assert s.register_per_minute == 5 and s.writes_per_second == 2.5
     assert s.node_id == "web-1"
+    assert str(s.trusted_proxies) == "127.0.0.1/32,10.0.0.0/8,::1/128"
+    assert not Settings.from_env({}).trusted_proxies  # the default trusts nobody
 
 
 @pytest.mark.parametrize(("var", "value", "needle"), [
@@ -58,6 +61,8 @@ def test_every_variable_is_read() -> None:
     ("TOASTMACHINE_WRITES_PER_SECOND", "fast", "must be a number"),
     ("TOASTMACHINE_REGISTER_PER_MINUTE", "-1", "between"),
     ("TOASTMACHINE_NODE_ID", "has space", "letters, digits"),
+    ("TOASTMACHINE_TRUSTED_PROXIES", "127.0.0.1, proxy.local", "'proxy.local' is not an IP address"),
+    ("TOASTMACHINE_TRUSTED_PROXIES", "10.0.0.0/33", "CIDR"),
     ("TOASTMACHINE_PORTT", "80", "is not a ToastMachine setting"),
 ])
 def test_bad_value_names_the_variable(var: str, value: str, needle: str) -> None:

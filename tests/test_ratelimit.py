@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
+from infra.ratelimit import Gcra, KeyedTokenBucket, registration_budget, retry_after_seconds, write_budget
 
 
 class FakeClock:
@@ -121,3 +121,28 @@ def test_retry_after_is_a_whole_number_of_seconds_at_least_one() -> None:
     assert retry_after_seconds(1.0) == 1
     assert retry_after_seconds(1.2) == 2
     assert retry_after_seconds(59.9) == 60
+
+
+# --- GCRA: the arithmetic of the corpus-wide budgets (their state lives in PostgreSQL) -----------
+
+
+def test_gcra_admits_a_burst_then_one_per_interval() -> None:
+    gcra = Gcra(rate=2, burst=4)
+    now = 1_700_000_000.0  # epoch seconds, as the database clock gives them
+    tat = 0.0  # a new key: its whole burst
+    assert [gcra.wait(tat, now, taken) for taken in range(4)] == [0.0] * 4
+    assert gcra.wait(tat, now, 4) == pytest.approx(0.5)
+    tat = gcra.advance(tat, now, 4)
+    assert tat == pytest.approx(now + 2.0)
+    assert gcra.wait(tat, now + 0.5) == 0.0  # waiting exactly the advertised time admits
+    assert gcra.wait(tat, now + 0.5, 1) == pytest.approx(0.5)
+    assert gcra.wait(tat, now + 3600) == 0.0 and gcra.advance(tat, now + 3600, 1) == now + 3600.5
+
+
+def test_budgets_follow_the_settings() -> None:
+    assert (write_budget(10).rate, write_budget(10).burst) == (10, 20)
+    assert write_budget(0.1).burst == 1  # a burst below one write could never admit anything
+    assert registration_budget(20).interval == pytest.approx(3.0)
+    assert registration_budget(20).tolerance == pytest.approx(57.0)
+    with pytest.raises(ValueError):
+        Gcra(rate=0, burst=1)

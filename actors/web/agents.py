@@ -1,7 +1,9 @@
 """Agent routes: ``POST /register``, ``GET /me``, ``POST /operation-tokens`` and ``GET /guide`` (SPEC §2, §3).
 
-- register: rate-limited per client address, validates the body (protocol.agents), stores the new
-  agent with only the SHA-256 of its credential, and shows the credential once.
+- register: rate-limited per client address (``infra.client_address``: forwarding headers count only
+  from trusted proxies) with a corpus-wide budget kept in the statement that stores the new agent
+  (so 1 or N web nodes allow the same), validates the body (protocol.agents), stores the agent with
+  only the SHA-256 of its credential, and shows the credential once.
 - me: the caller's own agent representation with its activity counts.
 - operation-tokens: a fresh UUID to use as the ``Operation-Token`` of one write.
 - guide: the operator-curated usage guide (actors.guide) as JSON, Markdown or an HTML page rendered
@@ -18,7 +20,6 @@ from datetime import UTC
 from email.utils import format_datetime
 from typing import Any
 
-import asyncpg
 from aiohttp import web
 from markdown_it import MarkdownIt
 
@@ -26,10 +27,11 @@ from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
 from actors.web.render import page_headers
+from infra.client_address import admission_key
 from infra.db.pool import Database, Target
-from infra.http import etag_matches, json_response, negotiate, read_json
+from infra.http import etag_matches, json_response, negotiate, read_json, request_client
 from infra.logs import get_logger
-from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
+from infra.ratelimit import Gcra, KeyedTokenBucket, local_bucket, registration_budget, retry_after_seconds
 from protocol.agents import (
     generate_credential,
     hash_credential,
@@ -46,8 +48,38 @@ from protocol.validation import expect_object, reject_unknown
 
 log = get_logger("toastmachine.web.agents")
 
-#: The per-address registration limiter of one app (built in :func:`add_routes`).
+#: The per-address registration budget, corpus-wide (kept in ``registration_budget``).
+REGISTER_BUDGET: web.AppKey[Gcra] = web.AppKey("register_budget", Gcra)
+#: The same limit in this process's memory: a cheap pre-filter before the database.
 REGISTER_LIMITER: web.AppKey[KeyedTokenBucket] = web.AppKey("register_limiter", KeyedTokenBucket)
+#: Rows without state any more that each registration deletes from ``registration_budget``: more
+#: than the one row it may add, so the table shrinks back to the addresses active in the last window.
+_BUDGET_ROWS_DROPPED = 2
+
+# One statement: charge the address's budget (GCRA, see migration 0005), drop a few rows that carry
+# no state, and insert the agent only if the budget admitted it. Atomic on its own, so concurrent
+# registrations on any number of nodes share the budget; a taken name is a 409 that still counts.
+# $1-$4 the agent, $5 the address key, $6 the emission interval and $7 the tolerance in seconds.
+_REGISTER = """
+with budget as (
+    insert into registration_budget as b (address, tat)
+    values ($5::inet, now() + make_interval(secs => $6))
+    on conflict (address) do update set tat = greatest(b.tat, now()) + make_interval(secs => $6)
+        where b.tat <= now() + make_interval(secs => $7)
+    returning 1
+), dropped as (
+    delete from registration_budget where address = any(array(
+        select address from registration_budget where tat < now() and address <> $5::inet
+        order by tat limit $8 for update skip locked))
+), agent as (
+    -- Milliseconds, like every timestamp the corpus shows: what is stored is what is shown.
+    insert into agents (agent_id, name, description, credential_hash, created_at)
+    select $1, $2, $3, $4, date_trunc('milliseconds', now()) from budget
+    on conflict do nothing
+    returning created_at
+)
+select exists (select 1 from budget) as admitted, (select created_at from agent) as created_at
+"""
 
 REGISTER_HOW_TO_PROCEED = (
     "Keep the credential secret; it is shown only once. Read GET /guide with it before your first write."
@@ -56,7 +88,6 @@ OPERATION_TOKEN_HOW_TO_PROCEED = (
     "Send it as the Operation-Token header of one write; reuse it only to retry that identical write."
 )
 
-_NAME_INDEX = "agents_name_key"
 _JSON = "application/json"
 _MARKDOWN = GUIDE_FORMAT
 _HTML = "text/html"
@@ -69,8 +100,8 @@ _NO_STORE = {"Cache-Control": "no-store"}
 
 def add_routes(app: web.Application) -> None:
     """Add the agent routes to ``app`` and build its registration limiter from the node's settings."""
-    per_minute = app[NODE].settings.register_per_minute
-    app[REGISTER_LIMITER] = KeyedTokenBucket(rate=per_minute / 60.0, burst=per_minute)
+    app[REGISTER_BUDGET] = registration_budget(app[NODE].settings.register_per_minute)
+    app[REGISTER_LIMITER] = local_bucket(app[REGISTER_BUDGET])
     app.router.add_post("/register", register)
     app.router.add_get("/me", me)
     app.router.add_post("/operation-tokens", operation_tokens)
@@ -80,28 +111,30 @@ def add_routes(app: web.Application) -> None:
 async def register(request: web.Request) -> web.Response:
     """``POST /register {name, description?}`` → 201 with the agent and its one-time credential.
 
-    Every attempt counts against the client address's limit, valid or not: it is there to protect
-    the node, and a rejected attempt costs it work too.
+    Every attempt counts against the client address's limit in this process, valid or not: it is
+    there to protect the node, and a rejected attempt costs it work too. The corpus-wide budget
+    counts every attempt that reaches the database (a taken name included).
     """
-    wait = request.app[REGISTER_LIMITER].take(request.remote or "unknown")
+    key = admission_key(request_client(request))
+    wait = request.app[REGISTER_LIMITER].take(key)
     if wait > 0:
-        raise TooManyRequests(
-            "Too many registrations from this address.",
-            headers={"Retry-After": str(retry_after_seconds(wait))},
-        )
+        raise _too_many_registrations(wait)
     registration = validate_registration(await read_json(request))
     credential = generate_credential()
     agent_id = uuid.uuid4()
-    try:
-        created_at = await request.app[NODE].db.pool.fetchval(
-            # Milliseconds, like every timestamp the corpus shows: what is stored is what is shown.
-            "insert into agents (agent_id, name, description, credential_hash, created_at)"
-            " values ($1, $2, $3, $4, date_trunc('milliseconds', now())) returning created_at",
-            agent_id, registration.name, registration.description, hash_credential(credential),
-        )
-    except asyncpg.UniqueViolationError as e:
-        if e.constraint_name != _NAME_INDEX:
-            raise
+    budget = request.app[REGISTER_BUDGET]
+    pool = request.app[NODE].db.pool
+    row = await pool.fetchrow(_REGISTER, agent_id, registration.name, registration.description,
+                              hash_credential(credential), key, budget.interval, budget.tolerance,
+                              _BUDGET_ROWS_DROPPED)
+    if not row["admitted"]:
+        state = await pool.fetchrow(
+            "select extract(epoch from tat)::float8 as tat, extract(epoch from now())::float8 as now "
+            "from registration_budget where address = $1::inet", key)
+        raise _too_many_registrations(budget.wait(state["tat"], state["now"]) if state is not None else 1.0)
+    created_at = row["created_at"]
+    if created_at is None:
+        # "on conflict do nothing": the name index (the credential is 32 random bytes, never a repeat).
         raise Conflict(
             f"The name '{registration.name}' is already taken (names are compared ignoring case).",
             code="name_taken",
@@ -116,6 +149,12 @@ async def register(request: web.Request) -> web.Response:
     body["credential"] = credential
     body["how_to_proceed"] = REGISTER_HOW_TO_PROCEED
     return json_response(body, status=201, headers=_NO_STORE)
+
+
+def _too_many_registrations(wait: float) -> TooManyRequests:
+    seconds = retry_after_seconds(wait)
+    return TooManyRequests("Too many registrations from this address.", headers={"Retry-After": str(seconds)},
+                           extra={"retry_after": seconds})
 
 
 async def me(request: web.Request) -> web.Response:

@@ -20,7 +20,8 @@ MAX_BODY_BYTES = 256 * 1024
 
 def make_app(node: Node) -> web.Application:
     """Build the web front's application for ``node``."""
-    app = web.Application(middlewares=[make_middleware(node.metrics)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[make_middleware(node.metrics, node.settings.trusted_proxies)],
+                          client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     auth.install(app)
     health.add_routes(app)

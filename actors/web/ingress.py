@@ -6,7 +6,9 @@ Each write goes the same way, in this order, so that the cheapest refusal comes 
 2. ``Content-Type: application/json`` (415), body at most 256 KiB (413), valid JSON (400);
 3. ``Operation-Token`` present and well-formed (400);
 4. onboarded: the agent has read ``GET /guide`` (428, retry the identical request with the same token);
-5. admission: the agent's token bucket (429 with ``Retry-After``);
+5. admission: the agent's token bucket in this process (429 with ``Retry-After``), a cheap local
+   pre-filter; the corpus-wide budget is the writer's (:mod:`actors.writer.store`), which answers
+   429 ``rate_limited`` with ``retry_after`` in the envelope, sent on as ``Retry-After``;
 6. validation with :mod:`protocol.corpus`, the functions the writer runs again (422 / 400);
 7. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with routing key
    ``<corpus_id>.<operation>``, this node's corpus headers and a deadline; the writer's reply becomes
@@ -27,7 +29,7 @@ from actors.web.context import NODE
 from infra.bus.base import COMMANDS_EXCHANGE
 from infra.http import read_json
 from infra.logs import get_logger
-from infra.ratelimit import KeyedTokenBucket
+from infra.ratelimit import KeyedTokenBucket, local_bucket, retry_after_seconds, write_budget
 from protocol import corpus
 from protocol.agents import validate_operation_token
 from protocol.commands import WriteCommand, WriteResult
@@ -70,9 +72,10 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
     require_onboarded(agent)
     wait = request.app[WRITE_ADMISSION].take(agent.agent_id)
     if wait > 0:
+        seconds = retry_after_seconds(wait)
         raise TooManyRequests(
             f"This agent may write {node.settings.writes_per_second:g} times a second on average.",
-            headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+            headers={"Retry-After": str(seconds)}, extra={"retry_after": seconds},
             how_to_proceed="Wait for the seconds in Retry-After, then retry with the same Operation-Token.")
     corpus.validate_write(operation, target, body)
     if node.identity_error is not None or node.identity is None:
@@ -111,13 +114,22 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
                             content_type="application/json")
     if isinstance(message, ErrorReply):
         raise ApiError(message.message, status=message.status, code=message.code,
-                       how_to_proceed=message.how_to_proceed, extra=message.extra)
+                       how_to_proceed=message.how_to_proceed, extra=message.extra,
+                       headers=_retry_after(message))
     raise ServiceUnavailable("The writer answered with something unexpected; the outcome is unknown.",
                              how_to_proceed="Retry the identical request with the same Operation-Token.")
 
 
 def _names_a_corpus(headers: Mapping[str, object]) -> bool:
     return HEADER_CORPUS_ID in headers or HEADER_LINEAGE in headers
+
+
+def _retry_after(reply: ErrorReply) -> dict[str, str] | None:
+    """The ``Retry-After`` header of a writer's refusal (its envelope carries ``retry_after``)."""
+    seconds = reply.extra.get("retry_after")
+    if reply.status in (429, 503) and isinstance(seconds, int) and not isinstance(seconds, bool) and seconds > 0:
+        return {"Retry-After": str(seconds)}
+    return None
 
 
 async def create_conversation(request: web.Request) -> web.Response:
@@ -142,7 +154,7 @@ async def retract_relationship(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     settings = app[NODE].settings
-    app[WRITE_ADMISSION] = KeyedTokenBucket(rate=settings.writes_per_second, burst=2 * settings.writes_per_second)
+    app[WRITE_ADMISSION] = local_bucket(write_budget(settings.writes_per_second))
     app.router.add_post("/conversations", create_conversation)
     app.router.add_post("/conversations/{id}/messages", append_message)
     app.router.add_post("/relationships", assert_relationship)

@@ -223,6 +223,8 @@ def _schemas() -> dict[str, Schema]:
          "fields": {"type": "array", "items": {"type": "string"}, "description": "Every unknown field."},
          "pointer": {"type": "string", "description": "JSON pointer into a payload that fails its schema."},
          "existing_relationship_id": ref("Id"),
+         "retry_after": {"type": "integer", "minimum": 1,
+                         "description": "Seconds to wait before retrying (429), as in Retry-After."},
          "lineage": {"type": "string", "format": "uuid", "description": "The lineage this node serves."}})
     s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of SPEC §3.")
 

@@ -41,6 +41,7 @@ from infra.bus.base import COMMANDS_EXCHANGE, Bus, Delivery, QueueKind, QueueSpe
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import UNAVAILABLE_ERRORS
 from infra.logs import get_logger
+from infra.ratelimit import Gcra
 from infra.runtime import ConsumerActor
 from protocol.commands import WriteCommand
 from protocol.errors import ApiError, DatabaseUnavailable, LineageMismatch, ServiceUnavailable
@@ -204,13 +205,16 @@ class CorpusWriter(ConsumerActor):
         prefetch: unsettled commands at a time (bounds the group-commit queue too).
         max_batch: most commands in one transaction.
         linger: seconds to wait for a batch to fill (0: commit what is waiting at once).
+        write_budget: each agent's corpus-wide write budget, enforced in every batch's transaction
+            (:mod:`actors.writer.store`); None admits every command (the edge's limit alone).
     """
 
     name = "writer"
 
     def __init__(self, bus: Bus, *, node_id: str, identity: CorpusIdentity | None, db: Database | None = None,
                  identity_error: LineageMismatch | None = None,
-                 prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH, linger: float = 0.0) -> None:
+                 prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH, linger: float = 0.0,
+                 write_budget: Gcra | None = None) -> None:
         super().__init__(bus, prefetch=prefetch)
         self.node_id = node_id
         self.identity_error = identity_error
@@ -218,7 +222,8 @@ class CorpusWriter(ConsumerActor):
         if self.scope is not None:
             self.queue = writer_queue(self.scope)
             self.bindings = ((COMMANDS_EXCHANGE, self.scope.command_pattern),)
-        self._store = CorpusStore(db, identity) if db is not None and identity is not None else None
+        self._store = (CorpusStore(db, identity, write_budget=write_budget)
+                       if db is not None and identity is not None else None)
         self._max_batch = max_batch
         self._linger = linger
         self._commit: GroupCommit | None = None

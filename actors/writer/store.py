@@ -16,6 +16,17 @@ One PostgreSQL transaction per batch (group commit), in two phases:
    become visible in increasing order: a reader following ``after=<last seen>`` can never skip a
    change that commits later with a lower sequence (SPEC §4's commit-order hazard). The lock is held
    only for these few statements, and one acquisition covers a whole batch.
+
+Admission (when the store has a write budget): before phase 1, one statement locks the
+``write_budget`` rows of the batch's agents (in agent order, so two batches never deadlock on them)
+and reads their theoretical arrival times with the database's clock. A command is admitted in
+phase 1 right after its idempotency record was read (a replay is answered, never charged); over
+budget, it is answered 429 ``rate_limited`` with ``retry_after`` and writes nothing, not even its
+idempotency claim, so the client retries the identical request later with the same token. Phase 2's
+statement advances each agent's budget by the changes the batch commits. The row lock makes every
+writer process see one budget per agent: the limit holds however many web nodes and writers run.
+The price: two batches with an agent in common run one after the other (the second waits for the
+first's commit), where they used to overlap; batches of different agents still overlap.
 """
 
 from __future__ import annotations
@@ -28,10 +39,11 @@ from typing import Any
 
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import connection
+from infra.ratelimit import Gcra, retry_after_seconds
 from protocol import corpus
 from protocol import representations as rep
 from protocol.commands import WriteCommand, WriteResult
-from protocol.errors import ApiError, Conflict, Forbidden, NotFound, Unprocessable
+from protocol.errors import ApiError, Conflict, Forbidden, NotFound, TooManyRequests, Unprocessable
 
 #: Key of the advisory lock that serialises sequence assignment (any constant unique to us).
 SEQUENCE_LOCK = 0x746D_5345_5100  # "tmSEQ"
@@ -85,8 +97,19 @@ class _Change:
 
 
 @dataclass(slots=True)
+class _Budget:
+    """One agent's write budget while a batch holds its row: the stored state and what the batch took."""
+
+    tat: float  # theoretical arrival time, epoch seconds (database clock)
+    now: float  # the database's clock once the row was locked
+    taken: int = 0  # changes of this batch charged to it
+
+
+@dataclass(slots=True)
 class _Batch:
     outcomes: list[Outcome | None]
+    #: agent id → its budget, when the store enforces one
+    budgets: dict[str, _Budget] = field(default_factory=dict)
     changes: list[_Change] = field(default_factory=list)
     #: key → index of the command of this batch that claimed it
     claimed: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -100,12 +123,14 @@ class CorpusStore:
     Args:
         db: the database.
         identity: the corpus identity stamped on every event envelope.
+        write_budget: each agent's corpus-wide write budget (rate and burst); None admits every command.
     """
 
-    def __init__(self, db: Database, identity: CorpusIdentity) -> None:
+    def __init__(self, db: Database, identity: CorpusIdentity, *, write_budget: Gcra | None = None) -> None:
         self.db = db
         self.corpus_id = str(identity.corpus_id)
         self.lineage = str(identity.lineage)
+        self.write_budget = write_budget
 
     async def apply(self, batch: Sequence[Prepared]) -> list[Outcome]:
         """Apply ``batch`` in one transaction; return one outcome per command, in order.
@@ -115,6 +140,8 @@ class CorpusStore:
         """
         state = _Batch(outcomes=[None] * len(batch))
         async with connection(self.db) as conn, conn.transaction():
+            if self.write_budget is not None:
+                await self._lock_budgets(conn, state, batch)
             for index, prepared in enumerate(batch):
                 try:
                     await self._stage(conn, state, index, prepared)
@@ -131,6 +158,46 @@ class CorpusStore:
             else:
                 state.outcomes[index] = first
         return [o if o is not None else Outcome(error=ApiError("internal: no outcome")) for o in state.outcomes]
+
+    # --- admission -----------------------------------------------------------------------------
+
+    async def _lock_budgets(self, conn: Any, state: _Batch, batch: Sequence[Prepared]) -> None:
+        """Lock the budget rows of the batch's agents (creating missing ones) and read them."""
+        agents = sorted({uuid.UUID(p.command.author_id) for p in batch})
+        rows = await conn.fetch(_LOCK_BUDGETS, agents)
+        for row in rows:
+            state.budgets[str(row["agent_id"])] = _Budget(tat=row["tat"], now=row["now"])
+        # Every row was locked before the last clock reading: decide on that one, the latest.
+        now = max(row["now"] for row in rows)
+        for budget in state.budgets.values():
+            budget.now = now
+
+    def _admit(self, state: _Batch, prepared: Prepared) -> None:
+        """Refuse ``prepared`` with 429 when its agent's budget is spent (it then writes nothing)."""
+        if self.write_budget is None:
+            return
+        budget = state.budgets[str(uuid.UUID(prepared.command.author_id))]
+        wait = self.write_budget.wait(budget.tat, budget.now, budget.taken)
+        if wait > 0:
+            seconds = retry_after_seconds(wait)
+            raise TooManyRequests(
+                f"This agent may write {self.write_budget.rate:g} times a second on average "
+                f"(bursts of {self.write_budget.burst:g}), on all nodes together.",
+                extra={"retry_after": seconds},
+                headers={"Retry-After": str(seconds)},
+                how_to_proceed="Wait for the seconds in Retry-After, then retry the identical request with the "
+                               "same Operation-Token; nothing was written.")
+
+    def _budget_updates(self, state: _Batch) -> tuple[list[str], list[float]]:
+        """(agent ids, new theoretical arrival times) for the agents this batch charged."""
+        agents: list[str] = []
+        tats: list[float] = []
+        if self.write_budget is not None:
+            for agent_id, budget in state.budgets.items():
+                if budget.taken:
+                    agents.append(agent_id)
+                    tats.append(self.write_budget.advance(budget.tat, budget.now, budget.taken))
+        return agents, tats
 
     # --- phase 1 -------------------------------------------------------------------------------
 
@@ -208,6 +275,7 @@ class CorpusStore:
                                   *prepared.key, [n.lower() for n in request.message.mention_names])
         if self._replayed(state, index, prepared, row):
             return
+        self._admit(state, prepared)
         author_id = prepared.command.author_id
         conversation_id, message_id = str(uuid.uuid4()), str(uuid.uuid4())
         partition = corpus.partition_of(conversation_id)
@@ -250,6 +318,7 @@ class CorpusStore:
             *prepared.key, [n.lower() for n in draft.mention_names], request.conversation_id, draft.reply_to)
         if self._replayed(state, index, prepared, row):
             return
+        self._admit(state, prepared)
         if row["partition"] is None:
             raise NotFound(f"There is no conversation {request.conversation_id}.", code="conversation_not_found",
                            how_to_proceed="Check the conversation id (GET /conversations lists them).")
@@ -295,6 +364,7 @@ class CorpusStore:
             *prepared.key, request.source_message_id, request.target_message_id, request.type)
         if self._replayed(state, index, prepared, row):
             return
+        self._admit(state, prepared)
         found = {str(m[0]): m for m in row["messages"] or ()}
         for field_name, message_id in (("source_message_id", request.source_message_id),
                                        ("target_message_id", request.target_message_id)):
@@ -365,6 +435,7 @@ class CorpusStore:
             *prepared.key, request.relationship_id)
         if self._replayed(state, index, prepared, row):
             return
+        self._admit(state, prepared)
         if row["asserted_by"] is None:
             raise NotFound(f"There is no relationship {request.relationship_id}.", code="relationship_not_found",
                            how_to_proceed="Check the relationship id (GET /relationships lists them).")
@@ -413,6 +484,9 @@ class CorpusStore:
     def _staged(state: _Batch, index: int, prepared: Prepared, change: _Change) -> None:
         state.claimed[prepared.key] = index
         state.changes.append(change)
+        budget = state.budgets.get(str(uuid.UUID(prepared.command.author_id))) if state.budgets else None
+        if budget is not None:
+            budget.taken += 1
 
     def _event(self, change: _Change, sequence: int) -> bytes:
         return rep.dumps(rep.envelope(
@@ -444,19 +518,28 @@ class CorpusStore:
             for column, value in zip(keys, (*prepared.key, body, sequence), strict=True):
                 column.append(value)
             state.outcomes[change.index] = Outcome(result=WriteResult(status=201, body=body, sequence=sequence))
-        # One statement for all the batch's changes and idempotency answers.
+        # One statement for all the batch's changes, idempotency answers and budget charges.
         await conn.execute(
             "with inserted as (insert into changes (sequence, type, partition, conversation_id, author_id, "
             "message_id, relationship_id, retraction_id, occurred_at, event, trace_id) "
             "select * from unnest($1::bigint[], $2::text[], $3::smallint[], $4::uuid[], $5::uuid[], $6::uuid[], "
-            "$7::uuid[], $8::uuid[], $9::timestamptz[], $10::text[], $11::text[])) "
+            "$7::uuid[], $8::uuid[], $9::timestamptz[], $10::text[], $11::text[])), "
+            "charged as (update write_budget b set tat = to_timestamp(c.tat) "
+            "from unnest($17::uuid[], $18::float8[]) as c(agent_id, tat) where b.agent_id = c.agent_id) "
             "update operations o set status = 201, response = u.response, sequence = u.sequence "
             "from unnest($12::uuid[], $13::text[], $14::text[], $15::text[], $16::bigint[]) "
             "as u(author_id, operation, token, response, sequence) "
             "where o.author_id = u.author_id and o.operation = u.operation and o.token = u.token",
-            *columns, *keys)
+            *columns, *keys, *self._budget_updates(state))
 
 
+#: Locks (creating where missing) the write_budget rows of the agents in $1, sorted by id so that
+#: two batches take them in the same order, and reads each with the database clock after its lock.
+#: The no-op update is what takes the row lock and returns the latest committed state.
+_LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select unnest($1::uuid[]) "
+                 "on conflict (agent_id) do update set tat = b.tat "
+                 "returning agent_id, extract(epoch from tat)::float8 as tat, "
+                 "extract(epoch from clock_timestamp())::float8 as now")
 #: Reads a command's idempotency record; the query continues with more columns and a FROM clause.
 _READ_OPERATION = "select o.request_hash, o.status, o.response, o.sequence"
 #: FROM clause of a read whose other columns are scalar subqueries: one row, the record or nulls.
