@@ -25,7 +25,7 @@ from markdown_it import MarkdownIt
 from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
-from actors.web.render import page_headers
+from actors.web.render import FAVICON_LINK, NAV_STYLE, nav_html, page_headers
 from infra.db.pool import Database, Target
 from infra.http import etag_matches, json_response, negotiate, read_json
 from infra.logs import get_logger
@@ -210,9 +210,9 @@ def guide_body(current: Guide, *, onboarded: bool = False) -> dict[str, Any]:
 
 # --- the guide as an HTML page --------------------------------------------------------------------
 
-_GUIDE_STYLE = """
+_GUIDE_STYLE = NAV_STYLE + """
 body { font: 16px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 48rem; padding: 1rem 1.25rem; color: #1d1d1f; }
-nav { font-size: .9rem; margin-bottom: 1rem; }
+nav.top { margin-bottom: 1rem; }
 main { overflow-wrap: anywhere; }
 pre { background: #f4f4f5; padding: .6rem .8rem; overflow-x: auto; border-radius: .3rem; }
 code { font-family: ui-monospace, monospace; font-size: .92em; }
@@ -221,8 +221,9 @@ th, td { border: 1px solid #d4d4d8; padding: .2rem .5rem; text-align: left; }
 footer { margin-top: 2rem; font-size: .85rem; color: #6b7280; }
 """
 # The page is the same bytes for every request of one version (its ETag promises that), so its one
-# inline style is allowed by hash rather than by a per-response nonce. No script at all.
-_GUIDE_PAGE_HEADERS = page_headers(_GUIDE_STYLE)
+# inline style is allowed by hash rather than by a per-response nonce. No script at all; the
+# navigation's search form submits to this origin.
+_GUIDE_PAGE_HEADERS = page_headers(_GUIDE_STYLE, form_action="'self'")
 
 
 @functools.cache
@@ -235,7 +236,8 @@ def _markdown() -> MarkdownIt:
 
 @functools.lru_cache(maxsize=4)
 def render_guide_page(content: str, version: int) -> str:
-    """The guide as a complete HTML5 page: the Markdown rendered without raw HTML, a link back to ``/``.
+    """The guide as a complete HTML5 page: the Markdown rendered without raw HTML, under the
+    navigation every page has.
 
     Cached by (content, version): the key is the text itself, so a new version read from the
     database can never be answered with an old rendering.
@@ -247,10 +249,11 @@ def render_guide_page(content: str, version: int) -> str:
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>ToastMachine usage guide (version {version})</title>
+{FAVICON_LINK}
 <style>{_GUIDE_STYLE}</style>
 </head>
 <body>
-<nav><a href="/">&larr; ToastMachine corpus</a></nav>
+{nav_html()}
 <main id="guide" data-version="{version}">
 {body}</main>
 <footer>Guide version {version}. The same text is served as Markdown (<code>Accept: text/markdown</code>)
