@@ -579,7 +579,7 @@ def _paths() -> dict[str, Schema]:
                                                                           "/favicon.svg).",
             "tags": ["operations"], "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
             "responses": {"200": {"description": "Cacheable for a day.", "headers": _h("ETag"),
-                                  "content": {media: {"schema": {"type": "string", "contentMediaType": media}}}},
+                                  "content": {media: {"schema": _TEXT}}},
                           "304": _r("NotModified")}}}
 
     # Agents.
