@@ -13,6 +13,7 @@ None of these go through the bus: they touch only the ``agents`` table (and read
 from __future__ import annotations
 
 import functools
+import hashlib
 import uuid
 from datetime import UTC
 from email.utils import format_datetime
@@ -170,7 +171,7 @@ async def guide(request: web.Request) -> web.Response:
                             headers={"Vary": _GUIDE_VARY})
     node = request.app[NODE]
     current = await current_guide(node.db)
-    representation = {_JSON: "json", _MARKDOWN: "markdown", _HTML: "html"}[chosen]
+    representation = {_JSON: "json", _MARKDOWN: "markdown", _HTML: _HTML_REPRESENTATION}[chosen]
     if agent is not None and chosen == _JSON:
         representation = "json-onboarded"  # a different body: it says "onboarded": true
     headers = {"Vary": _GUIDE_VARY, "ETag": guide_etag(current, representation),
@@ -261,6 +262,11 @@ and as JSON (the default) at <a href="/guide">/guide</a>.</footer>
 </body>
 </html>
 """
+
+
+#: The page's layout (style, navigation) changes with releases, not with the guide's version: its
+#: digest is part of the HTML ETag, so a cached page of an older layout is never answered 304.
+_HTML_REPRESENTATION = "html-" + hashlib.sha256(render_guide_page("", 0).encode()).hexdigest()[:12]
 
 
 async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str, Any]:
