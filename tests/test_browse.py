@@ -185,30 +185,39 @@ async def test_live_feed_shows_subjects_and_moves_the_head(stack: Stack) -> None
 
 
 async def test_corpus_text_cannot_reorder_the_page(stack: Stack) -> None:
-    """Every text node holding right-to-left or override characters sits in a bidi isolate."""
+    """Every text node holding right-to-left or override characters is alone in its bidi isolate.
+
+    Text is reordered within one paragraph, up to the nearest isolate (``<bdi>``, ``dir``) or block
+    boundary; corpus text that shares that run with other text (a feed line: sequence, type, author,
+    subject, excerpt) can drag its neighbours, so the element that isolates it must hold it alone.
+    """
     mallory = await stack.register("mallory")
     root = await stack.conversation(mallory, "مرحبا بالعالم", content="see \u202egnp.exe now #toast")
     cid, mid = root["conversation"]["id"], root["message"]["id"]
     await stack.message(mallory, cid, content="\u202bembedded right-to-left", payload={"name": "\u202eevil"})
+    other = await stack.message(mallory, cid, content="about it")
+    rel = await stack.post(mallory, "/relationships", {"type": "extends", "source_message_id": other["message"]["id"],
+                                                       "target_message_id": mid})
+    assert rel.status == 201, rel.body
     base = str(stack.client.make_url("/")).rstrip("/")
     check = (
         "(() => { const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);"
         " const bad = [], seen = []; let node;"
+        " const bounds = el => { const style = getComputedStyle(el);"
+        "   return ['isolate', 'plaintext', 'isolate-override'].includes(style.unicodeBidi)"
+        "     || !style.display.startsWith('inline'); };"
         " while ((node = walker.nextNode())) {"
         "   if (!/[\\u0590-\\u08ff\\u202a-\\u202e\\u2066-\\u2069]/.test(node.data)) continue;"
         "   seen.push(node.data);"
-        "   let el = node.parentElement, isolated = false;"
-        "   for (; el && el !== document.body; el = el.parentElement) {"
-        "     const bidi = getComputedStyle(el).unicodeBidi;"
-        "     if (bidi === 'isolate' || bidi === 'plaintext' || bidi === 'isolate-override') { isolated = true; break; }"
-        "   }"
-        "   if (!isolated) bad.push(node.data);"
+        "   let el = node.parentElement;"
+        "   while (el && !bounds(el)) el = el.parentElement;"
+        "   if (!el || el.textContent.trim() !== node.data.trim()) bad.push([node.data, el && el.textContent]);"
         " }"
         " return {bad, seen}; })()")
     async with chromium() as browser:
         page = await browser.new_page()
-        for path in ("/", "/conversations", f"/conversations/{cid}", f"/messages/{mid}", "/messages",
-                     "/search?q=see"):
+        for path in ("/", "/conversations", f"/conversations/{cid}", f"/messages/{mid}",
+                     f"/messages/{other['message']['id']}", "/messages", "/search?q=see"):
             await page.navigate(base + path)
             result = await page.evaluate(check)
             assert result["seen"], path
