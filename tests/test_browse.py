@@ -82,6 +82,10 @@ async def test_every_nav_link_of_every_page_is_a_page(stack: Stack) -> None:
         await page.navigate(base + "/search?q=")
         notice = await page.evaluate("document.querySelector('.notice').textContent")
         assert notice.startswith("Type one or more words")
+        await page.evaluate("document.querySelector('main form.search input[name=q]').value = 'checked';"
+                            " document.querySelector('main form.search').submit(); true")
+        await page.wait_for("location.search === '?q=checked' && document.readyState === 'complete'")
+        assert await page.evaluate("document.querySelectorAll('article.message').length") == 1
         # The icon itself: an SVG document Chromium renders.
         await page.navigate(base + "/favicon.svg")
         assert await page.evaluate("document.contentType") == "image/svg+xml"

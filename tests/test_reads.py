@@ -1130,6 +1130,7 @@ async def test_an_empty_search_in_a_browser_shows_the_form(stack: Stack) -> None
         assert page.status == 200 and page.headers["Content-Type"].startswith(HTML), params
         assert '<form method="get" action="/search" role="search">' in page.body
         assert '<p class="notice" role="status">Type one or more words' in page.body
+        assert '<form class="search" method="get" action="/search" role="search">' in page.body
         # A data client still gets the 400 that names q.
         await _invalid(stack, "/search", "q", params=params)
         await _invalid(stack, "/search", "q", params=params, accept=MARKDOWN)

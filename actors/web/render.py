@@ -290,6 +290,7 @@ article.message { border-top: 1px solid #e4e4e7; padding: .6rem 0; }
 .meta { color: #52525b; font-size: .88rem; }
 .kind { font-size: .78rem; border: 1px solid #d4d4d8; border-radius: .3rem; padding: 0 .3rem; margin-right: .3rem; }
 .content { white-space: pre-wrap; overflow-wrap: anywhere; margin: .4rem 0; }
+form.search { margin: 1rem 0; } form.search input { font-size: 1.05rem; padding: .2rem .4rem; }
 .notice { background: #fef9c3; border: 1px solid #fde047; border-radius: .3rem; padding: .4rem .7rem; }
 pre { background: #f4f4f5; padding: .5rem; overflow-x: auto; }
 table { border-collapse: collapse; } td, th { padding: .2rem .8rem .2rem 0; text-align: left; }
@@ -522,6 +523,10 @@ def _html_body(doc: Document) -> str:
     else:
         items = _table(doc.kind, body["items"]) if body["items"] else ""
     empty = "" if doc.notice else "<p>Nothing here.</p>"
+    if doc.kind == "search" and doc.notice:
+        # The search page without words: the form itself, large, where the results would be.
+        notice += ('<form class="search" method="get" action="/search" role="search"><input type="search" name="q"'
+                   ' aria-label="Words to search for" size="40"> <button>Search</button></form>')
     return notice + total + (items or empty) + _pager(body.get("prev"), body.get("next"))
 
 
