@@ -189,10 +189,25 @@ _SCRIPT = """
     map.set(key, promise);
     return promise;
   }
+  // Lookups are bounded too: a few at a time, a short queue, and past it an item goes without.
+  var inflight = 0, waiting = [], MAX_INFLIGHT = 4, MAX_WAITING = 100;
   function getJSON(path) {
-    return fetch(path, {headers: {"Accept": "application/json"}, credentials: "omit"})
-      .then(function (r) { return r.ok ? r.json() : null; })
-      .catch(function () { return null; });
+    return new Promise(function (resolve) {
+      function run() {
+        inflight++;
+        fetch(path, {headers: {"Accept": "application/json"}, credentials: "omit"})
+          .then(function (r) { return r.ok ? r.json() : null; })
+          .catch(function () { return null; })
+          .then(function (body) {
+            inflight--;
+            if (waiting.length) { waiting.shift()(); }
+            resolve(body);
+          });
+      }
+      if (inflight < MAX_INFLIGHT) { run(); }
+      else if (waiting.length < MAX_WAITING) { waiting.push(run); }
+      else { resolve(null); }
+    });
   }
   function lookup(map, key, path, pick) {
     if (map.has(key)) { return map.get(key); }
