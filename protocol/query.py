@@ -165,6 +165,13 @@ class Query:
         return tuple(k for k in KINDS if k in parts)
 
 
+def path_uuid(raw: str, name: str = "id") -> str:
+    """The ``{id}`` of a route's path in canonical form, or the same 400 ``invalid_parameter``
+    naming ``name`` that a query parameter gets: read and write routes answer a malformed id alike
+    (a well-formed id that names no record is their 404)."""
+    return Query({name: raw}, (name,)).uuid(name) or ""
+
+
 def _count(params: Mapping[str, str], name: str) -> int:
     getall = getattr(params, "getall", None)  # a MultiDict (aiohttp's request.query) can repeat keys
     return len(getall(name)) if getall is not None else 1

@@ -259,14 +259,14 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     for path in reads:
         await get(path)
     for path in ["/conversations", f"/conversations/{cid}", f"/messages/{root}", "/messages", "/search?q=seed",
-                 "/agents", "/agents/alice"]:
+                 "/agents", "/agents/alice", "/tags", "/relationships", "/corpus"]:
         for accept in ("application/ld+json", "text/markdown", "text/html"):
             await get(path, accept=accept)
-    for path in ["/tags", "/relationships"]:
-        await get(path, accept="application/ld+json")
-        await get(path, accept="text/markdown")
-        await get(path, 406, accept="text/html")
+    await get("/search", accept="text/html")  # a browser's empty search: the form, not a 400
     await get("/", accept="text/html")
+    for icon in ("/favicon.svg", "/favicon.ico"):
+        etag = (await get(icon))["ETag"]
+        await get(icon, 304, **{"If-None-Match": etag})
     await get("/guide", accept="text/markdown")
     await get("/guide", accept="text/html")
     await get("/guide", Authorization=f"Bearer {alice.credential}")
@@ -289,8 +289,8 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
         await get(path, 400)
     for path in [f"/conversations/{uuid.uuid4()}", f"/messages/{uuid.uuid4()}", "/agents/nobody"]:
         await get(path, 404)
-    await get("/messages", 406, accept="image/png")
-    await get("/", 406, accept="image/png")
+    for path in ("/messages", "/", "/corpus", "/openapi.json", "/tags", "/relationships"):
+        await get(path, 406, accept="image/png")
     await get("/corpus/changes.jsonl", 406, accept="application/json")
     await get(f"/corpus/changes.jsonl?lineage={uuid.uuid4()}", 409)
     await get("/me", 401)
@@ -334,6 +334,8 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     await post(alice, "/conversations", {"subject": " ", "content": "c"}, 422)
     await post(alice, "/conversations", {"subject": "s", "content": "c", "extra": 1}, 422)
     await post(alice, f"/conversations/{uuid.uuid4()}/messages", {"content": "c"}, 404)
+    await post(alice, "/conversations/not-a-uuid/messages", {"content": "c"}, 400)
+    await post(bob, "/relationships/not-a-uuid/retractions", {}, 400)
     verification = await _any_message(stack, bob.agent_id)
     await post(alice, "/relationships", {"type": "extends", "source_message_id": root,
                                          "target_message_id": root}, 422)

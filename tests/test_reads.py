@@ -902,8 +902,8 @@ async def _routes(stack: Stack) -> tuple[list[tuple[str, bool]], str]:
     assert rel.status == 201
     return [
         ("/conversations", True), (f"/conversations/{cid}", True), ("/messages", True), (f"/messages/{mid}", True),
-        ("/agents", True), ("/agents/alice", True), ("/search?q=hello", True), ("/tags", False),
-        ("/relationships", False),
+        ("/agents", True), ("/agents/alice", True), ("/search?q=hello", True), ("/tags", True),
+        ("/relationships", True), ("/corpus", True),
     ], cid
 
 
@@ -1030,3 +1030,170 @@ async def test_html_escapes_what_agents_wrote(stack: Stack) -> None:
     # Markdown does not pass raw markup through either.
     md = (await _get(stack, "/conversations", accept=MARKDOWN)).body
     assert "<script>" not in md
+
+
+# --- the pages a person browses (issue 9, items 4, 5 and 7) -------------------------------------
+
+
+async def test_tags_relationships_and_corpus_have_pages(stack: Stack) -> None:
+    alice, bob = await stack.register("alice"), await stack.register("bob")
+    root = await stack.conversation(alice, "pages", content="a claim #alpha #beta", kinds=["claim"])
+    cid, mid = root["conversation"]["id"], root["message"]["id"]
+    other = (await stack.message(bob, cid, content="more on #alpha"))["message"]["id"]
+    rel = await stack.post(bob, "/relationships", {"type": "extends", "source_message_id": other,
+                                                   "target_message_id": mid})
+    assert rel.status == 201, rel.body
+    tags = await _ok(stack, "/tags", accept=HTML)
+    assert tags.startswith("<!DOCTYPE html>") and "<h1><bdi>Tags</bdi></h1>" in tags
+    assert '<a href="/messages?tag=alpha">#<bdi>alpha</bdi></a></td><td>2</td><td>1</td>' in tags
+    rels = await _ok(stack, "/relationships", accept=HTML)
+    assert (f'<a href="/messages/{other}">source</a></td><td>extends</td>'
+            f'<td><a href="/messages/{mid}">target</a></td>') in rels
+    corpus = await _get(stack, "/corpus", accept=HTML)
+    assert corpus.status == 200 and corpus.headers["Content-Type"].startswith(HTML)
+    assert corpus.headers["X-Corpus-Id"] == str(stack.identity.corpus_id)
+    assert corpus.headers["Cache-Control"] == "no-store" and corpus.headers["Vary"] == "Accept"
+    assert f'<dd id="corpus-corpus_id">{stack.identity.corpus_id}</dd>' in corpus.body
+    assert f'<dd id="corpus-head-sequence">{rel.body["sequence"]}</dd>' in corpus.body
+    assert '<a href="/corpus/changes.jsonl">changes</a>' in corpus.body
+    assert "default-src 'none'" in corpus.headers["Content-Security-Policy"]
+    md = await _ok(stack, "/corpus", accept=MARKDOWN)
+    assert md.startswith("# Corpus") and f"- lineage: {stack.identity.lineage}" in md
+    # Every page has the same navigation, which links each of these pages.
+    for page in (tags, rels, corpus.body):
+        for href in ("/", "/conversations", "/messages", "/agents", "/tags", "/relationships", "/corpus", "/guide"):
+            assert f'<a href="{href}">' in page, href
+        assert '<link rel="icon" href="/favicon.svg" type="image/svg+xml">' in page
+
+
+async def test_corpus_and_openapi_refuse_what_they_cannot_produce(stack: Stack) -> None:
+    for path in ("/corpus", "/openapi.json"):
+        for accept in ("image/png", "text/plain", "application/json;q=0", "text/csv, application/pdf"):
+            refused = await _get(stack, path, accept=accept)
+            _error(refused, 406, "not_acceptable")
+            assert refused.headers["Vary"] == "Accept", (path, accept)
+        for accept in (None, "*/*", "application/json", "image/png;q=0.9, application/*;q=0.1"):
+            served = await _get(stack, path, accept=accept)
+            assert served.status == 200 and served.headers["Content-Type"].startswith(JSON), (path, accept)
+    # /openapi.json has no page: a browser's */* gets the JSON document, text/html alone a 406.
+    _error(await _get(stack, "/openapi.json", accept=HTML), 406, "not_acceptable")
+
+
+async def test_a_message_page_shows_its_relationships_with_links(stack: Stack) -> None:
+    alice, bob = await stack.register("alice"), await stack.register("bob")
+    root = await stack.conversation(alice, "claims", content="The sky is blue.", kinds=["claim"])
+    cid, mid = root["conversation"]["id"], root["message"]["id"]
+    made = {}
+    for name, who, kinds in (("verify", bob, ["verification"]), ("doubt", bob, ["challenge"]),
+                             ("more", alice, ["post"]), ("later", alice, ["post"])):
+        made[name] = (await stack.message(who, cid, content=f"{name} <b>text</b>", kinds=kinds))["message"]
+    asserted = {}
+    for rtype, source, target, who in (("supports", "verify", None, bob), ("contradicts", "doubt", None, bob),
+                                       ("extends", "more", None, alice), ("supersedes", "later", None, alice),
+                                       ("retracts", "later", "more", alice)):
+        body = {"type": rtype, "source_message_id": made[source]["id"],
+                "target_message_id": made[target]["id"] if target else mid}
+        reply = await stack.post(who, "/relationships", body)
+        assert reply.status == 201, reply.body
+        asserted[rtype] = reply.body["relationship"]["id"]
+    retracted = await stack.post(bob, f"/relationships/{asserted['contradicts']}/retractions", {})
+    assert retracted.status == 201
+    page = await _ok(stack, f"/messages/{mid}", accept=HTML)
+    section = page.split('<section class="related" id="relationships">')[1].split("</section>")[0]
+    incoming = section.split('data-direction="incoming"')[1]
+    for label, name, rtype in (("Supported by", "verify", "supports"), ("Contradicted by", "doubt", "contradicts"),
+                               ("Extended by", "more", "extends"), ("Superseded by", "later", "supersedes")):
+        m = made[name]
+        item = incoming.split(f'data-relationship="{asserted[rtype]}"')[1].split("</li>")[0]
+        assert f'<a href="/messages/{m["id"]}">#{m["sequence"]}</a>' in item, (rtype, item)
+        assert f"{name} &lt;b&gt;text&lt;/b&gt;" in item and "<b>" not in item
+        assert incoming.index(label) < incoming.index(f'data-relationship="{asserted[rtype]}"')
+    assert "(retracted)" in incoming.split(f'data-relationship="{asserted["contradicts"]}"')[1].split("</li>")[0]
+    assert 'data-direction="outgoing"' not in section  # the root relates to nothing itself
+    assert f'href="/relationships?message={mid}&amp;include_retracted=true"' in section
+    # The other side: what a message relates to, and what retracts it.
+    later = await _ok(stack, f"/messages/{made['later']['id']}", accept=HTML)
+    outgoing = later.split('data-direction="outgoing"')[1]
+    assert "Supersedes" in outgoing and "Retracts" in outgoing
+    assert f'<a href="/messages/{mid}">#{root["message"]["sequence"]}</a>' in outgoing
+    more = await _ok(stack, f"/messages/{made['more']['id']}", accept=HTML)
+    assert "Retracted by" in more.split('data-direction="incoming"')[1]
+    quiet = await _ok(stack, f"/messages/{made['verify']['id']}", accept=HTML)
+    assert 'data-direction="incoming"' not in quiet and "Supports" in quiet
+    # The data representations of a message are unchanged: the relationships are the page's alone.
+    assert set(await _ok(stack, f"/messages/{mid}")) == set(root["message"])
+
+
+async def test_an_empty_search_in_a_browser_shows_the_form(stack: Stack) -> None:
+    for params in ({}, {"q": ""}, {"q": "   "}):
+        page = await _get(stack, "/search", params=params, accept="text/html,application/xhtml+xml,*/*;q=0.8")
+        assert page.status == 200 and page.headers["Content-Type"].startswith(HTML), params
+        assert '<form method="get" action="/search" role="search">' in page.body
+        assert '<p class="notice" role="status">Type one or more words' in page.body
+        assert '<form class="search" method="get" action="/search" role="search">' in page.body
+        # A data client still gets the 400 that names q.
+        await _invalid(stack, "/search", "q", params=params)
+        await _invalid(stack, "/search", "q", params=params, accept=MARKDOWN)
+    # Other mistakes stay errors for a browser too, and a real search keeps its words in the box.
+    _error(await _get(stack, "/search", params={"q": "x", "bogus": "1"}, accept=HTML), 400, "invalid_parameter")
+    found = await _ok(stack, "/search", params={"q": 'a "b"'}, accept=HTML)
+    assert 'name="q" value="a &quot;b&quot;"' in found
+
+
+async def test_counts_are_written_with_the_right_plural(stack: Stack) -> None:
+    alice = await stack.register("alice")
+    one = await stack.conversation(alice, "single", content="just one #solo")
+    two = await stack.conversation(alice, "double", content="first #pair")
+    await stack.message(alice, two["conversation"]["id"], content="second #pair")
+    assert "· 1 message ·" in await _ok(stack, f"/conversations/{one['conversation']['id']}", accept=HTML)
+    assert "· 2 messages ·" in await _ok(stack, f"/conversations/{two['conversation']['id']}", accept=HTML)
+    md = await _ok(stack, "/tags", accept=MARKDOWN)
+    assert "\\#solo: 1 message in 1 conversation\n" in md and "\\#pair: 2 messages in 1 conversation\n" in md
+    listed = await _ok(stack, "/conversations", accept=MARKDOWN)
+    assert ": 1 message, last sequence" in listed and ": 2 messages, last sequence" in listed
+    assert "3 messages in 2 conversations" in await _ok(stack, "/agents/alice", accept=MARKDOWN)
+
+
+async def test_markdown_escapes_raw_html_in_content(stack: Stack) -> None:
+    from markdown_it import MarkdownIt
+
+    alice = await stack.register("alice")
+    evil = "<script>alert(1)</script> & <img src=x onerror=alert(2)>"
+    root = await stack.conversation(alice, "markdown", content=f"{evil}\nsecond line <b>bold</b>")
+    cid, mid = root["conversation"]["id"], root["message"]["id"]
+    # A renderer that passes raw HTML through (the CommonMark default) still shows only text.
+    renderer = MarkdownIt("commonmark", {"html": True})
+    for path in (f"/messages/{mid}", f"/conversations/{cid}", "/messages", "/search?q=alert"):
+        md = await _ok(stack, path, accept=MARKDOWN)
+        assert "<script" not in md and "<img" not in md and "<b>" not in md, path
+        assert "> &lt;script&gt;alert(1)&lt;/script&gt; &amp; &lt;img src=x onerror=alert(2)&gt;" in md, path
+        rendered = renderer.render(md)
+        assert "<script" not in rendered and "<img" not in rendered and "<b>" not in rendered, path
+        assert html_unescape_text(rendered).count(evil) == 1, path
+
+
+def html_unescape_text(rendered: str) -> str:
+    """The text of rendered HTML: tags dropped, character references decoded."""
+    import html as html_module
+
+    return html_module.unescape(re.sub(r"<[^>]+>", "", rendered))
+
+
+async def test_pages_isolate_the_direction_of_corpus_text(stack: Stack) -> None:
+    mallory = await stack.register("mallory")
+    override = "\u202egnp.exe"  # RIGHT-TO-LEFT OVERRIDE: shows as "exe.png" and drags what follows
+    subject = "שלום עולם"  # a right-to-left subject is fine; it must not reorder the page around it
+    root = await stack.conversation(mallory, subject, content=f"look {override} #tag")
+    cid, mid = root["conversation"]["id"], root["message"]["id"]
+    page = await _ok(stack, f"/messages/{mid}", accept=HTML)
+    assert f'<div class="content" dir="auto">look {override} #tag</div>' in page
+    assert '<a href="/agents/mallory"><bdi>mallory</bdi></a>' in page
+    assert '#<bdi>tag</bdi></a>' in page
+    convo = await _ok(stack, f"/conversations/{cid}", accept=HTML)
+    assert f"<h1><bdi>{subject}</bdi></h1>" in convo
+    listed = await _ok(stack, "/conversations", accept=HTML)
+    assert f'<a href="/conversations/{cid}"><bdi>{subject}</bdi></a>' in listed
+    front = (await stack.client.get("/", headers={"Accept": HTML}))
+    text = await front.text()
+    assert f'<a class="subject" dir="auto" href="/conversations/{cid}">{subject}</a>' in text
+    assert f'<span class="excerpt" dir="auto">look {override} #tag</span>' in text

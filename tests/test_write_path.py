@@ -78,8 +78,12 @@ async def test_append_message_and_reply_to_rules(stack: Stack) -> None:
     _error(missing, 422, "reply_to_not_found")
     nowhere = await stack.post(alice, f"/conversations/{uuid.uuid4()}/messages", {"content": "x"})
     _error(nowhere, 404, "conversation_not_found")
-    malformed = await stack.post(alice, "/conversations/not-a-uuid/messages", {"content": "x"})
-    _error(malformed, 404, "conversation_not_found")
+    # A malformed id is the 400 the read routes answer for it, naming the field (not a 404).
+    for bad in ("not-a-uuid", "123", cid + "0", "%20"):
+        malformed = await stack.post(alice, f"/conversations/{bad}/messages", {"content": "x"})
+        assert _error(malformed, 400, "invalid_parameter")["field"] == "id", bad
+        read = await stack.client.get(f"/conversations/{bad}")
+        assert (await read.json())["error"] == malformed.body["error"], bad
     root_reply = await stack.post(alice, "/conversations", {"subject": "s", "content": "x",
                                                             "reply_to": first["message"]["id"]})
     _error(root_reply, 422, "validation_failed")
@@ -228,6 +232,8 @@ async def test_retraction_rules(stack: Stack) -> None:
     assert retraction["relationship_id"] == rid and retraction["sequence"] == done.body["sequence"]
     _error(await stack.post(bob, f"/relationships/{rid}/retractions", {}), 409, "already_retracted")
     _error(await stack.post(bob, f"/relationships/{uuid.uuid4()}/retractions", {}), 404, "relationship_not_found")
+    malformed = await stack.post(bob, "/relationships/nope/retractions", {})
+    assert _error(malformed, 400, "invalid_parameter")["field"] == "id"
     _error(await stack.post(bob, f"/relationships/{rid}/retractions", {"why": "x"}), 422, "validation_failed")
     # Retracted: the same relationship can be asserted afresh, as a new record.
     again = await stack.post(bob, "/relationships", body)

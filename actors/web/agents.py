@@ -15,6 +15,7 @@ None of these go through the bus: they touch only the ``agents`` table (and read
 from __future__ import annotations
 
 import functools
+import hashlib
 import uuid
 from datetime import UTC
 from email.utils import format_datetime
@@ -26,7 +27,7 @@ from markdown_it import MarkdownIt
 from actors.guide import current_guide
 from actors.web.auth import authenticate
 from actors.web.context import NODE
-from actors.web.render import page_headers
+from actors.web.render import FAVICON_LINK, NAV_STYLE, nav_html, page_headers
 from infra.client_address import admission_key
 from infra.db.pool import Database, Target
 from infra.http import etag_matches, json_response, negotiate, read_json, request_client
@@ -209,7 +210,7 @@ async def guide(request: web.Request) -> web.Response:
                             headers={"Vary": _GUIDE_VARY})
     node = request.app[NODE]
     current = await current_guide(node.db)
-    representation = {_JSON: "json", _MARKDOWN: "markdown", _HTML: "html"}[chosen]
+    representation = {_JSON: "json", _MARKDOWN: "markdown", _HTML: _HTML_REPRESENTATION}[chosen]
     if agent is not None and chosen == _JSON:
         representation = "json-onboarded"  # a different body: it says "onboarded": true
     headers = {"Vary": _GUIDE_VARY, "ETag": guide_etag(current, representation),
@@ -249,9 +250,9 @@ def guide_body(current: Guide, *, onboarded: bool = False) -> dict[str, Any]:
 
 # --- the guide as an HTML page --------------------------------------------------------------------
 
-_GUIDE_STYLE = """
+_GUIDE_STYLE = NAV_STYLE + """
 body { font: 16px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 48rem; padding: 1rem 1.25rem; color: #1d1d1f; }
-nav { font-size: .9rem; margin-bottom: 1rem; }
+nav.top { margin-bottom: 1rem; }
 main { overflow-wrap: anywhere; }
 pre { background: #f4f4f5; padding: .6rem .8rem; overflow-x: auto; border-radius: .3rem; }
 code { font-family: ui-monospace, monospace; font-size: .92em; }
@@ -260,8 +261,9 @@ th, td { border: 1px solid #d4d4d8; padding: .2rem .5rem; text-align: left; }
 footer { margin-top: 2rem; font-size: .85rem; color: #6b7280; }
 """
 # The page is the same bytes for every request of one version (its ETag promises that), so its one
-# inline style is allowed by hash rather than by a per-response nonce. No script at all.
-_GUIDE_PAGE_HEADERS = page_headers(_GUIDE_STYLE)
+# inline style is allowed by hash rather than by a per-response nonce. No script at all; the
+# navigation's search form submits to this origin.
+_GUIDE_PAGE_HEADERS = page_headers(_GUIDE_STYLE, form_action="'self'")
 
 
 @functools.cache
@@ -274,7 +276,8 @@ def _markdown() -> MarkdownIt:
 
 @functools.lru_cache(maxsize=4)
 def render_guide_page(content: str, version: int) -> str:
-    """The guide as a complete HTML5 page: the Markdown rendered without raw HTML, a link back to ``/``.
+    """The guide as a complete HTML5 page: the Markdown rendered without raw HTML, under the
+    navigation every page has.
 
     Cached by (content, version): the key is the text itself, so a new version read from the
     database can never be answered with an old rendering.
@@ -286,10 +289,11 @@ def render_guide_page(content: str, version: int) -> str:
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>ToastMachine usage guide (version {version})</title>
+{FAVICON_LINK}
 <style>{_GUIDE_STYLE}</style>
 </head>
 <body>
-<nav><a href="/">&larr; ToastMachine corpus</a></nav>
+{nav_html()}
 <main id="guide" data-version="{version}">
 {body}</main>
 <footer>Guide version {version}. The same text is served as Markdown (<code>Accept: text/markdown</code>)
@@ -297,6 +301,11 @@ and as JSON (the default) at <a href="/guide">/guide</a>.</footer>
 </body>
 </html>
 """
+
+
+#: The page's layout (style, navigation) changes with releases, not with the guide's version: its
+#: digest is part of the HTML ETag, so a cached page of an older layout is never answered 304.
+_HTML_REPRESENTATION = "html-" + hashlib.sha256(render_guide_page("", 0).encode()).hexdigest()[:12]
 
 
 async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str, Any]:

@@ -29,8 +29,9 @@ from aiohttp import web
 
 from actors.web import rows
 from actors.web.context import NODE
+from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.db.pool import connection
-from infra.http import json_response, negotiate
+from infra.http import negotiate
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
@@ -346,7 +347,12 @@ _INFO = (
 
 
 async def corpus_info(request: web.Request) -> web.Response:
-    """``GET /corpus``: identity, head and earliest sequence, counts and the synchronization links."""
+    """``GET /corpus``: identity, head and earliest sequence, counts and the synchronization links.
+
+    Negotiated like the read routes (actors.web.render): JSON, JSON-LD, Markdown, or a page for
+    browsers; any other ``Accept`` is 406.
+    """
+    media = choose(request, BROWSABLE_TYPES)
     corpus_id, lineage = _identity(request)
     Query(request.query, ())
     # One statement sees one snapshot: the counts and the head agree with each other.
@@ -357,5 +363,7 @@ async def corpus_info(request: web.Request) -> web.Response:
         "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
         "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
     }
-    return json_response(body, headers=_identity_headers(corpus_id, lineage))
+    identity = _identity_headers(corpus_id, lineage)
+    return respond(request, Document("corpus", body, "Corpus", headers=identity,
+                                     cache_control=identity["Cache-Control"]), media)
 

@@ -16,7 +16,13 @@ untrusted text written by agents, so the page is built for that:
 
 The script reconnects by itself (``after=<last sequence shown>``, backing off to 30 s) after a
 network error or a terminal ``stream-error`` event, and shows its state in ``#stream-status``:
-``connecting``, ``live`` (catch-up done) or ``reconnecting``.
+``connecting``, ``live`` (catch-up done) or ``reconnecting``. Each change it shows moves
+``#head-sequence`` on, and carries its conversation's subject like the server-rendered items: an
+event names only the conversation (or, for a relationship, its source message), so the script
+keeps the subjects it has seen (bounded) and asks the read routes once for one it has not.
+
+Corpus text in the page sits in elements with ``dir="auto"``, so a right-to-left or override
+character stays inside it (bidi isolation) and cannot reorder the rest of the item.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Any
 
 from aiohttp import web
 
+from actors.web import favicon
 from actors.web.context import NODE
+from actors.web.render import FAVICON_LINK, NAV_STYLE, nav_html
 from infra.http import json_response, negotiate
 from protocol import representations as rep
 from protocol.errors import NotAcceptable, ServiceUnavailable
@@ -72,8 +80,9 @@ _RECENT_SQL = (
 
 
 def add_routes(app: web.Application) -> None:
-    """The front door."""
+    """The front door, and the icon its pages link."""
     app.router.add_get("/", front)
+    favicon.add_routes(app)
 
 
 def _cut(text: str | None) -> str | None:
@@ -128,7 +137,7 @@ async def front(request: web.Request) -> web.Response:
     headers.update({
         "Content-Security-Policy": (
             f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
-            "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"),
+            "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"),
         "X-Content-Type-Options": "nosniff",
         "Referrer-Policy": "no-referrer",
     })
@@ -137,7 +146,7 @@ async def front(request: web.Request) -> web.Response:
 
 # --- HTML ---------------------------------------------------------------------------------------
 
-_STYLE = """
+_STYLE = NAV_STYLE + """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 60rem; padding: 1rem 1.25rem; color: #1d1d1f; }
 h1 { font-size: 1.5rem; margin: .2rem 0 .8rem; }
 h2 { font-size: 1.1rem; margin: 1.4rem 0 .4rem; }
@@ -155,6 +164,7 @@ ol#live-feed { list-style: none; padding: 0; margin: 0; }
 .type { font-size: .8rem; border: 1px solid #d4d4d8; border-radius: .3rem; padding: 0 .3rem; margin-right: .5rem; }
 .who { font-weight: 600; margin-right: .5rem; }
 .subject { color: #374151; margin-right: .5rem; }
+a.subject { text-decoration: none; } a.subject:hover { text-decoration: underline; }
 .excerpt { color: #111827; }
 .empty { color: #6b7280; }
 """
@@ -165,11 +175,79 @@ _SCRIPT = """
   "use strict";
   var feed = document.getElementById("live-feed");
   var status = document.getElementById("stream-status");
+  var head = document.getElementById("head-sequence");
   var TYPES = ["conversation.created", "message.appended", "relationship.asserted", "relationship.retracted"];
-  var MAX_ITEMS = 200, EXCERPT = %(excerpt)d;
+  var MAX_ITEMS = 200, MAX_KNOWN = 500, EXCERPT = %(excerpt)d;
   var last = Number(feed.getAttribute("data-head")) || 0;
   var source = null, delay = 1000, timer = null;
+  // Promises, so that many changes of one unknown conversation ask for it once.
+  var subjects = new Map();       // conversation id -> subject (or null)
+  var conversations = new Map();  // message id -> conversation id (or null)
 
+  function remember(map, key, promise) {
+    if (!map.has(key) && map.size >= MAX_KNOWN) { map.delete(map.keys().next().value); }
+    map.set(key, promise);
+    return promise;
+  }
+  // Lookups are bounded too: a few at a time, a short queue, and past it an item goes without.
+  var inflight = 0, waiting = [], MAX_INFLIGHT = 4, MAX_WAITING = 100;
+  function getJSON(path) {
+    return new Promise(function (resolve) {
+      function run() {
+        inflight++;
+        fetch(path, {headers: {"Accept": "application/json"}, credentials: "omit"})
+          .then(function (r) { return r.ok ? r.json() : null; })
+          .catch(function () { return null; })
+          .then(function (body) {
+            inflight--;
+            if (waiting.length) { waiting.shift()(); }
+            resolve(body);
+          });
+      }
+      if (inflight < MAX_INFLIGHT) { run(); }
+      else if (waiting.length < MAX_WAITING) { waiting.push(run); }
+      else { resolve(null); }
+    });
+  }
+  function lookup(map, key, path, pick) {
+    if (map.has(key)) { return map.get(key); }
+    return remember(map, key, getJSON(path).then(function (body) {
+      var value = body ? pick(body) : null;
+      if (value === null || value === undefined) { map.delete(key); return null; }  // ask again next time
+      return value;
+    }));
+  }
+  function subjectOf(cid) {
+    return lookup(subjects, cid, "/conversations/" + encodeURIComponent(cid) + "?limit=1",
+                  function (b) { return b.conversation && b.conversation.subject; });
+  }
+  function conversationOf(mid) {
+    return lookup(conversations, mid, "/messages/" + encodeURIComponent(mid),
+                  function (b) { return b.conversation_id; });
+  }
+  function inConversation(cid) {
+    if (!cid) { return Promise.resolve(null); }
+    return subjectOf(cid).then(function (s) { return s === null ? null : {id: cid, subject: s}; });
+  }
+  function where(env) {
+    var d = env.data || {};
+    if (d.conversation) { return inConversation(d.conversation.id); }
+    if (d.message) { return inConversation(d.message.conversation_id); }
+    if (d.relationship) { return conversationOf(d.relationship.source_message_id).then(inConversation); }
+    // A retraction names only the assertion: the front door's recent activity says where it was.
+    return getJSON("/").then(function (front) {
+      var items = (front && front.recent_activity) || [];
+      for (var i = 0; i < items.length; i++) {
+        if (items[i].sequence === env.sequence) { return {id: items[i].conversation_id, subject: items[i].subject}; }
+      }
+      return null;
+    });
+  }
+  function learn(env) {
+    var d = env.data || {};
+    if (d.conversation) { remember(subjects, d.conversation.id, Promise.resolve(d.conversation.subject)); }
+    if (d.message) { remember(conversations, d.message.id, Promise.resolve(d.message.conversation_id)); }
+  }
   function setStatus(state, detail) {
     status.textContent = state;
     status.setAttribute("data-state", state);
@@ -180,8 +258,8 @@ _SCRIPT = """
     return text.length > EXCERPT ? text.slice(0, EXCERPT) + "\\u2026" : text;
   }
   function describe(env) {
-    var d = env.data || {}, m = d.message, who = "", subject = "", excerpt = "";
-    if (d.conversation) { subject = d.conversation.subject; who = d.conversation.author.name; }
+    var d = env.data || {}, m = d.message, who = "", excerpt = "";
+    if (d.conversation) { who = d.conversation.author.name; }
     if (m) {
       who = m.author.name;
       excerpt = typeof m.content === "string" ? m.content : "(structured payload)";
@@ -191,12 +269,17 @@ _SCRIPT = """
     } else if (d.retraction) {
       excerpt = "retracted relationship " + d.retraction.relationship_id;
     }
-    return {who: who, subject: subject, excerpt: excerpt};
+    return {who: who, excerpt: excerpt};
   }
-  function span(cls, text) {
-    var el = document.createElement("span");
+  function element(tag, cls, text) {
+    var el = document.createElement(tag);
     el.className = cls;
     el.textContent = text;
+    return el;
+  }
+  function isolated(tag, cls, text) {
+    var el = element(tag, cls, text);
+    el.dir = "auto";  // corpus text: its direction stays inside the element
     return el;
   }
   function onChange(event) {
@@ -204,15 +287,23 @@ _SCRIPT = """
     try { env = JSON.parse(event.data); } catch (e) { return; }
     if (typeof env.sequence !== "number" || env.sequence <= last) { return; }  // dedupe on the sequence
     last = env.sequence;
+    head.textContent = String(last);
+    learn(env);
     var info = describe(env), li = document.createElement("li");
     li.setAttribute("data-sequence", String(env.sequence));
     li.setAttribute("data-type", env.type);
     li.setAttribute("data-source", "live");
-    li.appendChild(span("seq", "#" + env.sequence));
-    li.appendChild(span("type", env.type));
-    if (info.who) { li.appendChild(span("who", info.who)); }
-    if (info.subject) { li.appendChild(span("subject", cut(info.subject))); }
-    if (info.excerpt) { li.appendChild(span("excerpt", cut(info.excerpt))); }
+    li.appendChild(element("span", "seq", "#" + env.sequence));
+    li.appendChild(element("span", "type", env.type));
+    if (info.who) { li.appendChild(isolated("span", "who", info.who)); }
+    var excerpt = info.excerpt ? li.appendChild(isolated("span", "excerpt", cut(info.excerpt))) : null;
+    where(env).then(function (found) {
+      if (!found || !found.subject) { return; }
+      var a = isolated("a", "subject", cut(found.subject));
+      a.href = "/conversations/" + encodeURIComponent(found.id);
+      li.setAttribute("data-conversation", found.id);
+      li.insertBefore(a, excerpt);
+    });
     var empty = feed.querySelector(".empty");
     if (empty) { feed.removeChild(empty); }
     feed.insertBefore(li, feed.firstChild);
@@ -239,6 +330,11 @@ _SCRIPT = """
     });
     source.onerror = function () { reconnect("connection lost"); };
   }
+  // The subjects the server rendered are known already.
+  Array.prototype.forEach.call(feed.querySelectorAll("li[data-conversation] .subject"), function (el) {
+    var cid = el.parentNode.getAttribute("data-conversation");
+    if (!subjects.has(cid)) { remember(subjects, cid, Promise.resolve(el.textContent)); }
+  });
   connect();
 })();
 """
@@ -251,14 +347,15 @@ def _e(value: object) -> str:
 def _item(item: dict[str, Any]) -> str:
     parts = [f'<span class="seq">#{_e(item["sequence"])}</span>',
              f'<span class="type">{_e(item["type"])}</span>',
-             f'<span class="who">{_e(item["author"]["name"])}</span>']
+             f'<span class="who" dir="auto">{_e(item["author"]["name"])}</span>']
     if item.get("subject"):
-        parts.append(f'<span class="subject">{_e(item["subject"])}</span>')
+        parts.append(f'<a class="subject" dir="auto" href="/conversations/{_e(item["conversation_id"])}">'
+                     f'{_e(item["subject"])}</a>')
     if "excerpt" in item:
-        parts.append(f'<span class="excerpt">{_e(item["excerpt"])}</span>')
+        parts.append(f'<span class="excerpt" dir="auto">{_e(item["excerpt"])}</span>')
     parts.append(f'<time datetime="{_e(item["occurred_at"])}" hidden>{_e(item["occurred_at"])}</time>')
-    return (f'<li data-sequence="{_e(item["sequence"])}" data-type="{_e(item["type"])}" data-source="server">'
-            + " ".join(parts) + "</li>")
+    return (f'<li data-sequence="{_e(item["sequence"])}" data-type="{_e(item["type"])}" '
+            f'data-conversation="{_e(item["conversation_id"])}" data-source="server">' + " ".join(parts) + "</li>")
 
 
 def render_html(body: dict[str, Any], nonce: str) -> str:
@@ -275,9 +372,11 @@ def render_html(body: dict[str, Any], nonce: str) -> str:
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>ToastMachine corpus</title>
+{FAVICON_LINK}
 <style nonce="{_e(nonce)}">{_STYLE}</style>
 </head>
 <body>
+{nav_html()}
 <header><h1>ToastMachine corpus</h1></header>
 <main>
 <section aria-labelledby="identity">

@@ -19,7 +19,6 @@ Each write goes the same way, in this order, so that the cheapest refusal comes 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 
 from aiohttp import web
@@ -36,7 +35,6 @@ from protocol.commands import WriteCommand, WriteResult
 from protocol.errors import (
     ApiError,
     GatewayTimeout,
-    NotFound,
     RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
@@ -44,6 +42,7 @@ from protocol.errors import (
 )
 from protocol.events import HEADER_CORPUS_ID, HEADER_LINEAGE
 from protocol.messages import ErrorReply
+from protocol.query import path_uuid
 
 OPERATION_TOKEN_HEADER = "Operation-Token"
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -53,20 +52,13 @@ WRITE_ADMISSION: web.AppKey[KeyedTokenBucket] = web.AppKey("write_admission", Ke
 log = get_logger("toastmachine.actors.ingress")
 
 
-def _path_id(request: web.Request, name: str, what: str) -> str:
-    try:
-        return str(uuid.UUID(request.match_info[name]))
-    except ValueError:
-        raise NotFound(f"There is no {what} {request.match_info[name]!r}.", code=f"{what}_not_found",
-                       how_to_proceed=f"Use the id of an existing {what}.") from None
-
-
 async def _write(request: web.Request, operation: str, target_kind: str | None = None, *,
                  allow_empty: bool = False) -> web.Response:
     """The write path shared by every write route; ``target_kind`` names the ``{id}`` in the path."""
     node = request.app[NODE]
     agent = await authenticate(request)
-    target = _path_id(request, "id", target_kind) if target_kind is not None else None
+    # A malformed id is the 400 the read routes answer; a well-formed unknown one the writer's 404.
+    target = path_uuid(request.match_info["id"]) if target_kind is not None else None
     body = await read_json(request, allow_empty=allow_empty)
     token = validate_operation_token(request.headers.get(OPERATION_TOKEN_HEADER))
     require_onboarded(agent)

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from actors.web import export
+from actors.web import export, favicon
 from actors.web.context import NODE
-from infra.http import etag_matches
+from infra.http import etag_matches, negotiate
 from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from protocol import query
 from protocol.agents import DESCRIPTION_MAX_CHARS, GUIDE_VERSION
@@ -32,6 +32,7 @@ from protocol.corpus import (
     PARTITIONS,
     RELATIONSHIP_TYPES,
 )
+from protocol.errors import NotAcceptable
 from protocol.representations import EVENT_SCHEMA_VERSION, EVENT_TYPES
 from protocol.schemas import SCHEMAS
 
@@ -253,7 +254,7 @@ def _schemas() -> dict[str, Schema]:
 
     # JSON-LD: the JSON representation with @context, @id and @type (actors.web.render.to_jsonld).
     for name in ("Message", "ConversationWithMessages", "MessageList", "SearchResults", "ConversationList",
-                 "RelationshipList", "TagList", "AgentList", "Agent"):
+                 "RelationshipList", "TagList", "AgentList", "Agent", "CorpusInfo"):
         s[name + "LD"] = _jsonld(s[name])
     return s
 
@@ -572,7 +573,16 @@ def _paths() -> dict[str, Schema]:
         "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
         "responses": {"200": {"description": "OpenAPI 3.1.", "headers": _h("ETag"),
                               "content": {JSON: {"schema": {"type": "object", "required": ["openapi"]}}}},
-                      "304": _r("NotModified")}}}
+                      "304": _r("NotModified"), "406": _r("NotAcceptable")}}}
+
+    for path, media in ((favicon.SVG_PATH, "image/svg+xml"), (favicon.ICO_PATH, "image/x-icon")):
+        paths[path] = {"get": {
+            "operationId": "favicon_" + path.rsplit(".", 1)[1], "summary": "The node's icon (every page links "
+                                                                          "/favicon.svg).",
+            "tags": ["operations"], "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
+            "responses": {"200": {"description": "Cacheable for a day.", "headers": _h("ETag"),
+                                  "content": {media: {"schema": _TEXT}}},
+                          "304": _r("NotModified")}}}
 
     # Agents.
     paths["/register"] = {"post": {
@@ -618,19 +628,20 @@ def _paths() -> dict[str, Schema]:
     paths["/conversations/{id}"] = {"get": _read(
         "get_conversation", "One conversation with a page of its messages, oldest first.",
         "ConversationWithMessages",
-        [{"$ref": "#/components/parameters/ReadId"}, p["after"], p["limit"]], html=True,
+        [{"$ref": "#/components/parameters/RecordId"}, p["after"], p["limit"]], html=True,
         headers=("ETag", "Link", "XNextCursor"), not_found=True)}
     paths["/conversations/{id}/messages"] = {"post": _write(
-        "append_message", "Append a message.", ref("NewMessage"), "MessageAppended", path_id="WriteId")}
+        "append_message", "Append a message.", ref("NewMessage"), "MessageAppended", path_id="RecordId")}
     paths["/messages"] = {"get": _read(
         "list_messages", "Messages in sequence order, filtered; newest first unless after is given.",
         "MessageList", [*message_filters, p["after"], p["before"], p["order"], p["limit"], p["offset"]],
         html=True, headers=("ETag", "Link", "XNextCursor"))}
     paths["/messages/{id}"] = {"get": _read(
-        "get_message", "One message.", "Message", [{"$ref": "#/components/parameters/ReadId"}], html=True,
+        "get_message", "One message.", "Message", [{"$ref": "#/components/parameters/RecordId"}], html=True,
         headers=("ETag", "LastModified"), not_found=True)}
     search = _read("search", "Full-text search, best match first.", "SearchResults",
-                   [{**_query("q", _SEARCH_TEXT, "Words, \"phrases\", -excluded (websearch syntax)."),
+                   [{**_query("q", _SEARCH_TEXT, "Words, \"phrases\", -excluded (websearch syntax). A browser "
+                                                 "(text/html) that sends none gets the search form instead of 400."),
                      "required": True}, *message_filters, p["limit"], p["offset"]],
                    html=True, headers=("ETag", "Link"))
     paths["/search"] = {"get": search}
@@ -642,7 +653,7 @@ def _paths() -> dict[str, Schema]:
                 "tag: byte order; count, conversation_count: largest first."),
          _query("min_count", _int(0, 2**31 - 1), "At least this many messages."),
          _query("min_conversation_count", _int(0, 2**31 - 1), "In at least this many conversations."),
-         p["limit"], p["offset"]], html=False, headers=("ETag", "Link"))}
+         p["limit"], p["offset"]], html=True, headers=("ETag", "Link"))}
     paths["/relationships"] = {
         "get": _read(
             "list_relationships", "Relationship assertions in sequence order; active ones unless "
@@ -654,13 +665,13 @@ def _paths() -> dict[str, Schema]:
              p["author"],
              _query("include_retracted", {"type": "boolean", "default": False}, "Include retracted ones."),
              {**p["after"], "description": "Exclusive sequence cursor (cannot be combined with offset)."},
-             p["limit"], p["offset"]], html=False, headers=("ETag", "Link", "XNextCursor")),
+             p["limit"], p["offset"]], html=True, headers=("ETag", "Link", "XNextCursor")),
         "post": _write("assert_relationship", "Assert a relationship between two messages.",
                        ref("NewRelationship"), "RelationshipAsserted"),
     }
     paths["/relationships/{id}/retractions"] = {"post": _write(
         "retract_relationship", "Retract your assertion (empty body or {}).", ref("EmptyObject"),
-        "RelationshipRetracted", optional_body=True, path_id="WriteId")}
+        "RelationshipRetracted", optional_body=True, path_id="RecordId")}
     paths["/agents"] = {"get": _read(
         "list_agents", "Every registered agent with its activity (zeros included).", "AgentList",
         [_query("sort", {"type": "string", "enum": ["name", "message_count", "last_sequence"],
@@ -676,9 +687,13 @@ def _paths() -> dict[str, Schema]:
     paths["/corpus"] = {"get": {
         "operationId": "corpus", "summary": "Corpus identity, head and earliest sequence, counts, links.",
         "tags": ["corpus"],
-        "responses": {"200": {"description": "OK", "headers": _h(*identity),
-                              "content": {JSON: {"schema": ref("CorpusInfo")}}},
-                      "400": _r("BadRequest"), "503": _r("ServiceUnavailable")}}}
+        "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
+        "responses": {"200": {"description": "The representation negotiated with Accept (Cache-Control: "
+                                             "no-store).", "headers": _h(*identity, "ETag"),
+                              "content": _content({JSON: ref("CorpusInfo"), JSONLD: ref("CorpusInfoLD"),
+                                                   MARKDOWN: _TEXT, HTML: _TEXT})},
+                      "304": _r("NotModified"), "400": _r("BadRequest"), "406": _r("NotAcceptable"),
+                      "503": _r("ServiceUnavailable")}}}
     lineage = _query("lineage", {"type": "string", "pattern": UUID_INPUT_PATTERN},
                      "The lineage you follow; another one is 409 lineage_mismatch.")
     lineage_header = {"name": "X-Corpus-Lineage", "in": "header", "required": False,
@@ -730,11 +745,11 @@ def _paths() -> dict[str, Schema]:
 def build_openapi(public_url: str | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the web front; ``public_url`` (if any) is its server URL."""
     ids = {
-        "ReadId": {"name": "id", "in": "path", "required": True, "description": "A record id (UUID).",
-                   "schema": {"type": "string", "pattern": UUID_INPUT_PATTERN}},
-        # Writes answer 404 (not 400) for an id that is not a UUID: there is no such record.
-        "WriteId": {"name": "id", "in": "path", "required": True, "description": "A record id (UUID).",
-                    "schema": {"type": "string", "pattern": UUID_INPUT_PATTERN}},
+        # Reads and writes alike answer 400 invalid_parameter (field "id") for an id that is not a
+        # UUID, and 404 for a well-formed one that names no record.
+        "RecordId": {"name": "id", "in": "path", "required": True,
+                     "description": "A record id (UUID); anything else is 400 invalid_parameter naming 'id'.",
+                     "schema": {"type": "string", "pattern": UUID_INPUT_PATTERN}},
     }
     return {
         "openapi": "3.1.0",
@@ -783,9 +798,12 @@ def add_routes(app: web.Application) -> None:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """The document, with an ETag honoured by If-None-Match (304)."""
+    """The document, with an ETag honoured by If-None-Match (304); 406 unless ``Accept`` allows JSON."""
+    if negotiate(request.headers.get("Accept"), (JSON,)) is None:
+        raise NotAcceptable(f"This document is produced only as {JSON}.",
+                            how_to_proceed=f"Send 'Accept: {JSON}' or */*.", headers={"Vary": "Accept"})
     body, etag = request.app[_DOCUMENT]
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept"}
     if etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers=headers)
     return web.Response(body=body, headers=headers, content_type=JSON)

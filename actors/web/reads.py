@@ -21,10 +21,19 @@ from aiohttp import web
 
 from actors.web import rows
 from actors.web.context import NODE
-from actors.web.render import BROWSABLE_TYPES, DATA_TYPES, Document, choose, link, respond
+from actors.web.render import (
+    BROWSABLE_TYPES,
+    HTML,
+    RELATED_LIMIT,
+    Document,
+    choose,
+    link,
+    related_message,
+    respond,
+)
 from protocol.corpus import RELATIONSHIP_TYPES
 from protocol.errors import NotFound
-from protocol.query import Query, invalid, page_query
+from protocol.query import Query, invalid, page_query, path_uuid
 
 
 def add_routes(app: web.Application) -> None:
@@ -69,7 +78,7 @@ _AGENT_BY_NAME = "(select agent_id from agents where lower(name) = lower({}))"
 
 def _path_uuid(request: web.Request) -> str:
     """The ``{id}`` of the path, canonical, or 400 naming ``id``."""
-    return Query({"id": request.match_info["id"]}, ("id",)).uuid("id") or ""
+    return path_uuid(request.match_info["id"])
 
 
 def _offset_links(path: str, query: dict[str, Any], offset: int, limit: int, more: bool) -> dict[str, str | None]:
@@ -186,18 +195,50 @@ async def list_messages(request: web.Request) -> web.Response:
                                      cursor=cursor), media)
 
 
+#: Characters of the other message's content shown beside a relationship on a message's page.
+_RELATED_EXCERPT = 140
+#: A message's relationships either way, oldest first, each with the message at its other end
+#: (retracted ones too, marked: the page shows the record, and nothing is erased). $2 rows at most.
+RELATED_SQL = (
+    f"select {rows.RELATIONSHIP_COLUMNS}, o.id as other_id, ofeed.sequence as other_sequence,"
+    " o.author_id as other_author_id, oa.name as other_author_name,"
+    f" left(o.content, {_RELATED_EXCERPT + 1}) as other_excerpt"
+    f"{rows.RELATIONSHIP_FROM}"
+    " join messages o on o.id = case when r.source_message_id = $1 then r.target_message_id"
+    " else r.source_message_id end"
+    " join message_feed ofeed on ofeed.message_id = o.id join agents oa on oa.agent_id = o.author_id"
+    " where r.source_message_id = $1 or r.target_message_id = $1 order by ch.sequence limit $2")
+
+
+def _excerpt(text: str | None) -> str | None:
+    if text is None or len(text) <= _RELATED_EXCERPT:
+        return text
+    return text[:_RELATED_EXCERPT].rstrip() + "…"
+
+
 async def get_message(request: web.Request) -> web.Response:
-    """``GET /messages/{id}``: one message."""
+    """``GET /messages/{id}``: one message; its HTML page also shows the message's relationships."""
     media = choose(request, BROWSABLE_TYPES)
     Query(request.query, ())
     message_id = _path_uuid(request)
-    row = await request.app[NODE].db.pool.fetchrow(
-        f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM} where f.message_id = $1", message_id)
+    pool = request.app[NODE].db.pool
+    row = await pool.fetchrow(f"select {rows.MESSAGE_COLUMNS}{rows.MESSAGE_FROM} where f.message_id = $1",
+                              message_id)
     if row is None:
         raise NotFound(f"There is no message {message_id}.", code="message_not_found",
                        how_to_proceed="Check the id; GET /messages lists messages.")
-    return respond(request, Document("message", rows.message(row), f"Message #{row['sequence']}",
-                                     last_modified=row["created_at"]), media)
+    doc = Document("message", rows.message(row), f"Message #{row['sequence']}", last_modified=row["created_at"])
+    if media == HTML:
+        # One more row than shown tells the page that there are more (it links the full list then).
+        # Relationships come later than the message: Last-Modified would not cover them on this page.
+        related = await pool.fetch(RELATED_SQL, message_id, RELATED_LIMIT + 1)
+        doc.related = [related_message(rows.relationship(r), other_id=str(r["other_id"]),
+                                       other_sequence=r["other_sequence"],
+                                       other_author={"agent_id": str(r["other_author_id"]),
+                                                     "name": r["other_author_name"]},
+                                       other_excerpt=_excerpt(r["other_excerpt"])) for r in related]
+        doc.last_modified = None
+    return respond(request, doc, media)
 
 
 # --- search ---------------------------------------------------------------------------------------
@@ -244,9 +285,19 @@ def plan_search(q: Query) -> Plan:
 
 
 async def search(request: web.Request) -> web.Response:
-    """``GET /search?q=``: full-text search, best match first, with the message filters."""
+    """``GET /search?q=``: full-text search, best match first, with the message filters.
+
+    Without words (no ``q``, or a blank one) a data client gets the 400 naming ``q``; a person at a
+    browser gets the search page with a line that says what to type (the form they sent was empty).
+    """
     media = choose(request, BROWSABLE_TYPES)
     q = Query(request.query, _SEARCH_PARAMS)
+    if media == HTML and not (q.raw("q") or "").strip():
+        body = _collection([], {"next": None}, total=0)
+        return respond(request, Document(
+            "search", body, "Search", collection=True,
+            notice='Type one or more words to search the messages for, e.g. retry "operation token" -timeout.'),
+            media)
     plan = plan_search(q)
     limit, offset, values, text = plan.limit, plan.offset or 0, plan.values, plan.values["q"]
     fetched = await request.app[NODE].db.pool.fetch(plan.sql, *plan.params)
@@ -255,7 +306,8 @@ async def search(request: web.Request) -> web.Response:
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]
     links = _offset_links("/search", {**values, "limit": q.raw("limit")}, offset, limit, more)
     body = _collection(items, links, total=total)
-    return respond(request, Document("search", body, f"Search: {text}", collection=True, links=links), media)
+    return respond(request, Document("search", body, f"Search: {text}", collection=True, links=links,
+                                     search=text), media)
 
 
 # --- conversations --------------------------------------------------------------------------------
@@ -362,7 +414,7 @@ def plan_tags(q: Query) -> Plan:
 
 async def list_tags(request: web.Request) -> web.Response:
     """``GET /tags``: tag statistics, exact ``tag`` or literal ``prefix``, sorted, thresholded, counted."""
-    media = choose(request, DATA_TYPES)
+    media = choose(request, BROWSABLE_TYPES)
     # The tag contract: the first occurrence of a repeated parameter wins.
     plan = plan_tags(Query(request.query, _TAG_PARAMS, first_wins=True))
     limit, offset, query = plan.limit, plan.offset or 0, plan.values
@@ -385,7 +437,7 @@ _RELATIONSHIP_PARAMS = ("message", "source", "target", "type", "author", "includ
 
 async def list_relationships(request: web.Request) -> web.Response:
     """``GET /relationships``: assertions in sequence order, by message, type, author; active by default."""
-    media = choose(request, DATA_TYPES)
+    media = choose(request, BROWSABLE_TYPES)
     q = Query(request.query, _RELATIONSHIP_PARAMS)
     message, source, target = q.uuid("message"), q.uuid("source"), q.uuid("target")
     rtype, author = q.choice("type", RELATIONSHIP_TYPES), q.agent_name("author")

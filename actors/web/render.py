@@ -8,7 +8,9 @@ it to :func:`respond`, which renders it in the negotiated media type:
   the README), ``@type`` and ``@id`` added, collections as ``ItemList``;
 - ``text/markdown``: a readable summary for agents that prefer text;
 - ``text/html`` (on the routes people browse): a server-rendered page, no script, linking
-  conversations, messages, agents and tags to each other.
+  conversations, messages, agents, tags and relationships to each other. Corpus text (subjects,
+  content, names, tags, descriptions) is escaped and bidi-isolated (``<bdi>``, ``dir="auto"``), so
+  a right-to-left or override character in it cannot reorder the page around it.
 
 Anything else is 406. Every answer carries ``Vary: Accept``, an ``ETag`` (a hash of the rendered
 bytes and their type) honoured by ``If-None-Match`` with 304, ``Link`` rel next/prev for pages, and
@@ -68,7 +70,7 @@ JSONLD_CONTEXT: dict[str, Any] = {
 #: schema.org types of the documents, by :attr:`Document.kind`.
 _LD_TYPES = {
     "conversation": "schema:Conversation", "message": "schema:Message", "agent": "schema:Person",
-    "relationship": "tm:Relationship", "tag": "schema:DefinedTerm",
+    "relationship": "tm:Relationship", "tag": "schema:DefinedTerm", "corpus": "schema:Dataset",
 }
 
 
@@ -77,9 +79,13 @@ class Document:
     """What a read route answers, before rendering.
 
     ``kind`` names the record type (``message``, ``conversation``, ``agent``, ``relationship``,
-    ``tag``, ``search``); ``collection`` says whether ``body`` is ``{items, next, ...}``. ``links``
-    holds the next/prev URLs (relative) for the ``Link`` header; ``cursor`` the next page's sequence
-    cursor (``X-Next-Cursor``).
+    ``tag``, ``search``, ``corpus``); ``collection`` says whether ``body`` is ``{items, next, ...}``.
+    ``links`` holds the next/prev URLs (relative) for the ``Link`` header; ``cursor`` the next page's
+    sequence cursor (``X-Next-Cursor``); ``headers`` any further headers of the route.
+
+    The HTML page alone may show more than the body: ``notice`` (a line for the reader, e.g. why a
+    search shows no results), ``search`` (the words to keep in the search box) and ``related`` (a
+    message's relationships with the other message of each, see :func:`related_message`).
     """
 
     kind: str
@@ -90,6 +96,10 @@ class Document:
     cursor: int | None = None
     last_modified: datetime | None = None
     cache_control: str = "no-cache"
+    headers: dict[str, str] = field(default_factory=dict)
+    notice: str | None = None
+    search: str | None = None
+    related: list[dict[str, Any]] | None = None
 
 
 def choose(request: web.Request, produced: tuple[str, ...] = DATA_TYPES) -> str:
@@ -111,7 +121,7 @@ def respond(request: web.Request, doc: Document, media: str) -> web.Response:
     else:
         body = to_html(doc).encode()
     etag = '"' + hashlib.sha256(media.encode() + b"\0" + body).hexdigest()[:32] + '"'
-    headers = {"Vary": "Accept", "ETag": etag, "Cache-Control": doc.cache_control}
+    headers = {**doc.headers, "Vary": "Accept", "ETag": etag, "Cache-Control": doc.cache_control}
     link = ", ".join(f'<{url}>; rel="{rel}"' for rel, url in doc.links.items() if url)
     if link:
         headers["Link"] = link
@@ -148,12 +158,24 @@ def to_jsonld(doc: Document, request: web.Request) -> dict[str, Any]:
 # --- Markdown ------------------------------------------------------------------------------------
 
 
+def plural(count: int, word: str) -> str:
+    """``1 message``, ``2 messages``, ``0 messages`` (every noun used here takes an ``s``)."""
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
 def _md(text: object) -> str:
     """Inline text safe to put in Markdown: no markup characters interpreted, one line."""
     escaped = str(text).replace("\\", "\\\\")
     for ch in "`*_[]<>#|":
         escaped = escaped.replace(ch, "\\" + ch)
     return " ".join(escaped.split())
+
+
+def _md_block(text: str) -> list[str]:
+    """Content as a block quote, its lines kept. Markdown passes raw HTML through to the page a
+    renderer makes of it, so ``&``, ``<`` and ``>`` become character references: a renderer shows
+    them as the characters written, and no tag (``<script>``, ``<img onerror=...>``) survives."""
+    return ["> " + html.escape(line, quote=False) for line in text.splitlines() or [""]]
 
 
 def _md_message(m: dict[str, Any]) -> str:
@@ -170,7 +192,7 @@ def _md_message(m: dict[str, Any]) -> str:
     if "schema_name" in m:
         lines.append(f"- schema: {_md(m['schema_name'])} v{m['schema_version']}")
     if "content" in m:
-        lines += ["", *("> " + line for line in m["content"].splitlines() or [""])]
+        lines += ["", *_md_block(m["content"])]
     if "payload" in m:
         lines += ["", "```json", orjson.dumps(m["payload"]).decode().replace("```", "`\u200b``"), "```"]
     return "\n".join(lines)
@@ -178,13 +200,13 @@ def _md_message(m: dict[str, Any]) -> str:
 
 def _md_conversation(c: dict[str, Any]) -> str:
     return (f"- **{_md(c['subject'])}** ({c['id']}) by {_md(c['author']['name'])}: "
-            f"{c['message_count']} messages, last sequence {c['last_sequence']}")
+            f"{plural(c['message_count'], 'message')}, last sequence {c['last_sequence']}")
 
 
 def _md_agent(a: dict[str, Any]) -> str:
     act = a["activity"]
-    text = (f"- **{_md(a['name'])}** ({a['agent_id']}): {act['message_count']} messages in "
-            f"{act['conversation_count']} conversations, last sequence {act['last_sequence']}")
+    text = (f"- **{_md(a['name'])}** ({a['agent_id']}): {plural(act['message_count'], 'message')} in "
+            f"{plural(act['conversation_count'], 'conversation')}, last sequence {act['last_sequence']}")
     if "description" in a:
         text += f" — {_md(a['description'])}"
     return text
@@ -197,11 +219,20 @@ def _md_relationship(r: dict[str, Any]) -> str:
 
 
 def _md_tag(t: dict[str, Any]) -> str:
-    return f"- \\#{_md(t['tag'])}: {t['count']} messages in {t['conversation_count']} conversations"
+    return (f"- \\#{_md(t['tag'])}: {plural(t['count'], 'message')} in "
+            f"{plural(t['conversation_count'], 'conversation')}")
 
 
 def _md_hit(h: dict[str, Any]) -> str:
     return f"rank {h['rank']:.4f}\n\n" + _md_message(h["message"])
+
+
+def _md_corpus(body: dict[str, Any]) -> list[str]:
+    counts = ", ".join(f"{n} {name}" for name, n in body["counts"].items())
+    return [f"- corpus_id: {body['corpus_id']}", f"- lineage: {body['lineage']}",
+            f"- head sequence: {body['head_sequence']}, earliest sequence: {body['earliest_sequence']}",
+            f"- counts: {counts}", "",
+            *(f"- {name}: <{url}>" for name, url in body["links"].items())]
 
 
 _MD_ITEMS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -227,6 +258,8 @@ def to_markdown(doc: Document) -> str:
         out.append(_md_message(body))
     elif doc.kind == "agent":
         out.append(_md_agent(body))
+    elif doc.kind == "corpus":
+        out += _md_corpus(body)
     for rel in ("prev", "next"):
         url = body.get(rel) if doc.collection else doc.links.get(rel)
         if url:
@@ -236,19 +269,37 @@ def to_markdown(doc: Document) -> str:
 
 # --- HTML ----------------------------------------------------------------------------------------
 
-_STYLE = """
+#: The pages a person browses, linked from the top of every page (the front door's and the guide's too).
+NAV: tuple[tuple[str, str], ...] = (
+    ("Home", "/"), ("Conversations", "/conversations"), ("Messages", "/messages"), ("Agents", "/agents"),
+    ("Tags", "/tags"), ("Relationships", "/relationships"), ("Corpus", "/corpus"), ("Guide", "/guide"))
+#: The node's icon (actors.web.favicon serves it); every page links it, so no browser guesses a path.
+FAVICON_LINK = '<link rel="icon" href="/favicon.svg" type="image/svg+xml">'
+#: Style of the top navigation, shared by every page that shows it.
+NAV_STYLE = """
+nav.top { display: flex; gap: .4rem 1rem; flex-wrap: wrap; align-items: center; border-bottom: 1px solid #e4e4e7; padding-bottom: .5rem; }
+nav.top form { margin-left: auto; }
+"""
+
+_STYLE = NAV_STYLE + """
 body { font: 15px/1.5 system-ui, sans-serif; margin: 0 auto; max-width: 62rem; padding: 1rem 1.25rem; color: #1d1d1f; }
-nav.top { display: flex; gap: 1rem; flex-wrap: wrap; border-bottom: 1px solid #e4e4e7; padding-bottom: .5rem; }
 h1 { font-size: 1.45rem; margin: .8rem 0; overflow-wrap: anywhere; }
+h2 { font-size: 1.1rem; margin: 1.2rem 0 .4rem; }
+h3 { font-size: .95rem; margin: .8rem 0 .2rem; }
 article.message { border-top: 1px solid #e4e4e7; padding: .6rem 0; }
 .meta { color: #52525b; font-size: .88rem; }
 .kind { font-size: .78rem; border: 1px solid #d4d4d8; border-radius: .3rem; padding: 0 .3rem; margin-right: .3rem; }
 .content { white-space: pre-wrap; overflow-wrap: anywhere; margin: .4rem 0; }
+form.search { margin: 1rem 0; } form.search input { font-size: 1.05rem; padding: .2rem .4rem; }
+.notice { background: #fef9c3; border: 1px solid #fde047; border-radius: .3rem; padding: .4rem .7rem; }
 pre { background: #f4f4f5; padding: .5rem; overflow-x: auto; }
 table { border-collapse: collapse; } td, th { padding: .2rem .8rem .2rem 0; text-align: left; }
+dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: .2rem 1rem; }
+dl.facts dt { font-weight: 600; } dl.facts dd { margin: 0; font-family: ui-monospace, monospace; overflow-wrap: anywhere; }
+section.related ul { padding-left: 1.2rem; margin: .2rem 0; }
+.retracted { text-decoration: line-through; color: #6b7280; }
 .pager { display: flex; gap: 1.5rem; margin: 1rem 0; }
 """
-
 
 
 def page_headers(style: str, *, form_action: str = "'none'") -> dict[str, str]:
@@ -270,8 +321,24 @@ def page_headers(style: str, *, form_action: str = "'none'") -> dict[str, str]:
 #: The read pages' headers; their search form submits to this origin.
 _PAGE_HEADERS = page_headers(_STYLE, form_action="'self'")
 
+
 def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+def _t(value: object) -> str:
+    """Corpus text inline in a page: escaped and isolated, so its direction (a right-to-left
+    subject, a stray U+202E) stays inside it instead of reordering the text around it."""
+    return f"<bdi>{_e(value)}</bdi>"
+
+
+def nav_html(search: str | None = None) -> str:
+    """The top navigation with the search form (``search`` kept in its box)."""
+    links = "".join(f'<a href="{href}">{name}</a>' for name, href in NAV)
+    value = f' value="{_e(search)}"' if search else ""
+    return (f'<nav class="top">{links}<form method="get" action="/search" role="search">'
+            f'<input type="search" name="q"{value} aria-label="Search messages" placeholder="Search messages"> '
+            '<button>Search</button></form></nav>')
 
 
 def _pretty(payload: Any) -> str:
@@ -282,25 +349,30 @@ def _pretty(payload: Any) -> str:
 
 
 def _agent_link(author: dict[str, Any]) -> str:
-    return f'<a href="/agents/{quote(author["name"])}">{_e(author["name"])}</a>'
+    return f'<a href="/agents/{quote(author["name"])}">{_t(author["name"])}</a>'
+
+
+def _message_link(message_id: str, text: str) -> str:
+    return f'<a href="/messages/{_e(message_id)}">{text}</a>'
 
 
 def _html_message(m: dict[str, Any]) -> str:
     kinds = "".join(f'<span class="kind">{_e(k)}</span>' for k in m["kinds"])
-    meta = [f'<a href="/messages/{_e(m["id"])}">#{_e(m["sequence"])}</a>', _agent_link(m["author"]),
+    meta = [_message_link(m["id"], f'#{_e(m["sequence"])}'), _agent_link(m["author"]),
             f'<time datetime="{_e(m["created_at"])}">{_e(m["created_at"])}</time>',
             f'in <a href="/conversations/{_e(m["conversation_id"])}">conversation</a>']
     if m.get("reply_to"):
-        meta.append(f'replying to <a href="/messages/{_e(m["reply_to"])}">a message</a>')
+        meta.append(f'replying to {_message_link(m["reply_to"], "a message")}')
     parts = [f'<article class="message" id="m-{_e(m["id"])}">',
              f'<div class="meta">{kinds} {" · ".join(meta)}</div>']
     if "content" in m:
-        parts.append(f'<div class="content">{_e(m["content"])}</div>')
+        parts.append(f'<div class="content" dir="auto">{_e(m["content"])}</div>')
     if "payload" in m:
-        schema = f'{_e(m["schema_name"])} v{_e(m["schema_version"])}: ' if "schema_name" in m else ""
+        schema = f'{_t(m["schema_name"])} v{_e(m["schema_version"])}: ' if "schema_name" in m else ""
         payload = _pretty(m["payload"])
-        parts.append(f'<div class="meta">{schema}payload</div><pre>{_e(payload)}</pre>')
-    refs = [f'<a href="/messages?{_e(urlencode({"tag": t}))}">#{_e(t)}</a>' for t in m["tags"]]
+        # JSON reads left to right; dir on the block isolates whatever direction its strings carry.
+        parts.append(f'<div class="meta">{schema}payload</div><pre dir="ltr">{_e(payload)}</pre>')
+    refs = [f'<a href="/messages?{_e(urlencode({"tag": t}))}">#{_t(t)}</a>' for t in m["tags"]]
     refs += [_agent_link(x) for x in m["mentions"]]
     if refs:
         parts.append(f'<div class="meta">{" ".join(refs)}</div>')
@@ -309,7 +381,7 @@ def _html_message(m: dict[str, Any]) -> str:
 
 
 def _html_conversation_row(c: dict[str, Any]) -> str:
-    return (f'<tr><td><a href="/conversations/{_e(c["id"])}">{_e(c["subject"])}</a></td>'
+    return (f'<tr><td><a href="/conversations/{_e(c["id"])}">{_t(c["subject"])}</a></td>'
             f'<td>{_agent_link(c["author"])}</td><td>{_e(c["message_count"])}</td>'
             f'<td>{_e(c["last_sequence"])}</td></tr>')
 
@@ -317,25 +389,26 @@ def _html_conversation_row(c: dict[str, Any]) -> str:
 def _html_agent_row(a: dict[str, Any]) -> str:
     act = a["activity"]
     last = "" if act["last_sequence"] is None else act["last_sequence"]
-    return (f'<tr><td>{_agent_link(a)}</td><td>{_e(a.get("description", ""))}</td>'
+    description = _t(a["description"]) if "description" in a else ""
+    return (f'<tr><td>{_agent_link(a)}</td><td>{description}</td>'
             f'<td>{_e(act["message_count"])}</td><td>{_e(act["conversation_count"])}</td><td>{_e(last)}</td></tr>')
 
 
 def _html_relationship_row(r: dict[str, Any]) -> str:
-    return (f'<tr><td><a href="/messages/{_e(r["source_message_id"])}">source</a></td><td>{_e(r["type"])}</td>'
-            f'<td><a href="/messages/{_e(r["target_message_id"])}">target</a></td><td>{_agent_link(r["author"])}</td>'
-            f'<td>{"retracted" if r["retracted"] else "active"}</td></tr>')
+    return (f'<tr><td>{_e(r["sequence"])}</td><td>{_message_link(r["source_message_id"], "source")}</td>'
+            f'<td>{_e(r["type"])}</td><td>{_message_link(r["target_message_id"], "target")}</td>'
+            f'<td>{_agent_link(r["author"])}</td><td>{"retracted" if r["retracted"] else "active"}</td></tr>')
 
 
 def _html_tag_row(t: dict[str, Any]) -> str:
-    return (f'<tr><td><a href="/messages?{_e(urlencode({"tag": t["tag"]}))}">#{_e(t["tag"])}</a></td>'
+    return (f'<tr><td><a href="/messages?{_e(urlencode({"tag": t["tag"]}))}">#{_t(t["tag"])}</a></td>'
             f'<td>{_e(t["count"])}</td><td>{_e(t["conversation_count"])}</td></tr>')
 
 
 _TABLES: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], str]]] = {
     "conversation": (("subject", "author", "messages", "last sequence"), _html_conversation_row),
     "agent": (("name", "description", "messages", "conversations", "last sequence"), _html_agent_row),
-    "relationship": (("source", "type", "target", "author", "state"), _html_relationship_row),
+    "relationship": (("sequence", "source", "type", "target", "author", "state"), _html_relationship_row),
     "tag": (("tag", "messages", "conversations"), _html_tag_row),
 }
 
@@ -355,48 +428,123 @@ def _pager(prev: str | None, next_: str | None) -> str:
     return f'<nav class="pager">{"".join(links)}</nav>' if links else ""
 
 
+# --- a message's relationships ---------------------------------------------------------------------
+
+#: How a relationship reads on its target's page ("supported by ...") and its source's ("supports ...").
+_INCOMING = {"supports": "Supported by", "contradicts": "Contradicted by", "extends": "Extended by",
+             "retracts": "Retracted by", "supersedes": "Superseded by", "replies-to": "Replied to by"}
+_OUTGOING = {"supports": "Supports", "contradicts": "Contradicts", "extends": "Extends",
+             "retracts": "Retracts", "supersedes": "Supersedes", "replies-to": "Replies to"}
+
+
+def related_message(relationship: dict[str, Any], *, other_id: str, other_sequence: int,
+                    other_author: dict[str, Any], other_excerpt: str | None) -> dict[str, Any]:
+    """One entry of :attr:`Document.related`: a relationship of the page's message and the message at
+    its other end (id, sequence, author, a short excerpt or None for a payload-only message)."""
+    return {"relationship": relationship, "other": {"id": other_id, "sequence": other_sequence,
+                                                     "author": other_author, "excerpt": other_excerpt}}
+
+
+def _related_item(entry: dict[str, Any]) -> str:
+    r, other = entry["relationship"], entry["other"]
+    excerpt = f': {_t(other["excerpt"])}' if other["excerpt"] else " (structured payload)"
+    state = ' <span class="meta">(retracted)</span>' if r["retracted"] else ""
+    text = (f'{_message_link(other["id"], "#" + _e(other["sequence"]))} by {_agent_link(other["author"])}'
+            f'{excerpt}, asserted by {_agent_link(r["author"])}')
+    cls = ' class="retracted"' if r["retracted"] else ""
+    return f'<li data-relationship="{_e(r["id"])}" data-type="{_e(r["type"])}"><span{cls}>{text}</span>{state}</li>'
+
+
+def _html_related(message_id: str, related: list[dict[str, Any]], limit: int) -> str:
+    """What relates to this message (grouped by type) and what it relates to, each linking the other."""
+    incoming: dict[str, list[str]] = {}
+    outgoing: dict[str, list[str]] = {}
+    for entry in related[:limit]:
+        r = entry["relationship"]
+        side = outgoing if r["source_message_id"] == message_id else incoming
+        side.setdefault(r["type"], []).append(_related_item(entry))
+    parts = ['<section class="related" id="relationships"><h2>Relationships</h2>']
+    if not related:
+        parts.append("<p>No relationship has been asserted about or from this message.</p>")
+    for title, side, labels, direction in (("About this message", incoming, _INCOMING, "incoming"),
+                                           ("From this message", outgoing, _OUTGOING, "outgoing")):
+        if side:
+            parts.append(f'<div data-direction="{direction}"><h3>{title}</h3>')
+            for rtype in sorted(side, key=list(labels).index):
+                parts.append(f'<p class="meta">{labels[rtype]}</p><ul>{"".join(side[rtype])}</ul>')
+            parts.append("</div>")
+    more = "More than shown here: see" if len(related) > limit else "The same as data:"
+    query = urlencode({"message": message_id, "include_retracted": "true"})
+    parts.append(f'<p class="meta">{more} <a href="/relationships?{_e(query)}">every relationship of '
+                 "this message</a>.</p></section>")
+    return "".join(parts)
+
+
+#: Relationships listed on a message's page; past this many the page links the full list.
+RELATED_LIMIT = 100
+
+
+def _html_corpus(body: dict[str, Any]) -> str:
+    facts = [("corpus_id", body["corpus_id"]), ("lineage", body["lineage"]),
+             ("head sequence", body["head_sequence"]), ("earliest sequence", body["earliest_sequence"])]
+    facts += [(name, count) for name, count in body["counts"].items()]
+    rows = "".join(f'<dt>{_e(name)}</dt><dd id="corpus-{_e(name.replace(" ", "-"))}">{_e(value)}</dd>'
+                   for name, value in facts)
+    links = "".join(f'<li><a href="{_e(url)}">{_e(name)}</a> <code>{_e(url)}</code></li>'
+                    for name, url in body["links"].items())
+    return (f'<dl class="facts">{rows}</dl><h2>Synchronization</h2>'
+            "<p>Mirrors and integrations follow the change history from these routes "
+            "(JSON Lines and Server-Sent Events, not pages).</p>"
+            f"<ul>{links}</ul>")
+
+
 def _html_body(doc: Document) -> str:
     body = doc.body
+    notice = f'<p class="notice" role="status">{_e(doc.notice)}</p>' if doc.notice else ""
     if doc.kind == "conversation" and not doc.collection:
         c = body["conversation"]
-        head = (f'<p class="meta">started by {_agent_link(c["author"])} · {_e(c["message_count"])} messages · '
-                f'created at sequence {_e(c["created_sequence"])}</p>')
+        head = (f'<p class="meta">started by {_agent_link(c["author"])} · {plural(c["message_count"], "message")}'
+                f' · created at sequence {_e(c["created_sequence"])}</p>')
         items = "".join(_html_message(m) for m in body["messages"]) or "<p>No messages on this page.</p>"
         return head + items + _pager(None, body.get("next"))
     if doc.kind == "message" and not doc.collection:
-        return _html_message(body)
+        related = _html_related(body["id"], doc.related, RELATED_LIMIT) if doc.related is not None else ""
+        return _html_message(body) + related
     if doc.kind == "agent" and not doc.collection:
         return _table("agent", [body]) + (
             f'<p><a href="/messages?{_e(urlencode({"author": body["name"]}))}">Messages by this agent</a></p>')
-    total = f'<p class="meta">{_e(body["total"])} in all.</p>' if "total" in body else ""
+    if doc.kind == "corpus":
+        return _html_corpus(body)
+    total = f'<p class="meta">{_e(body["total"])} in all.</p>' if "total" in body and not doc.notice else ""
     if doc.kind == "message":
         items = "".join(_html_message(m) for m in body["items"])
     elif doc.kind == "search":
         items = "".join(_html_message(h["message"]) for h in body["items"])
     else:
         items = _table(doc.kind, body["items"]) if body["items"] else ""
-    return total + (items or "<p>Nothing here.</p>") + _pager(body.get("prev"), body.get("next"))
+    empty = "" if doc.notice else "<p>Nothing here.</p>"
+    if doc.kind == "search" and doc.notice:
+        # The search page without words: the form itself, large, where the results would be.
+        notice += ('<form class="search" method="get" action="/search" role="search"><input type="search" name="q"'
+                   ' aria-label="Words to search for" size="40"> <button>Search</button></form>')
+    return notice + total + (items or empty) + _pager(body.get("prev"), body.get("next"))
 
 
 def to_html(doc: Document) -> str:
     """A complete HTML5 page for ``doc``: escaped throughout, no script, its one style allowed by hash."""
-    nav = "".join(f'<a href="{href}">{name}</a>' for name, href in (
-        ("Home", "/"), ("Conversations", "/conversations"), ("Messages", "/messages"), ("Agents", "/agents"),
-        ("Tags", "/tags"), ("Guide", "/guide")))
-    search = ('<form method="get" action="/search" role="search"><input type="search" name="q" '
-              'aria-label="Search messages" placeholder="Search messages"> <button>Search</button></form>')
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(doc.title)} · ToastMachine</title>
+{FAVICON_LINK}
 <style>{_STYLE}</style>
 </head>
 <body>
-<nav class="top">{nav}{search}</nav>
+{nav_html(doc.search)}
 <main>
-<h1>{_e(doc.title)}</h1>
+<h1>{_t(doc.title)}</h1>
 {_html_body(doc)}
 </main>
 </body>
