@@ -64,3 +64,46 @@ async def test_the_readme_session_runs_against_a_fresh_node(tmp_path: Path) -> N
         assert status == 200 and corpus["head_sequence"] >= 4, corpus
     finally:
         assert await node.stop() == 0
+
+
+SCALE_OUT_RE = re.compile(r"^<!-- readme-scale-out\b[^\n]*-->\n```sh\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """The block as written, from the repository root, in a shell whose PATH knows nothing of the venv.
+
+    Three changes, none to what the block relies on: the venv already exists (the first line would
+    create it again and install from the network), the services are this test's own (a vhost and a
+    database of its own, not the shared defaults), and honcho gets a free port.
+    """
+    match = SCALE_OUT_RE.search(README.read_text())
+    assert match, "the scale-out block is marked <!-- readme-scale-out -->"
+    lines = match.group(1).splitlines()
+    assert lines[0].startswith("python3 -m venv .venv && .venv/bin/pip install -e . honcho"), lines[0]
+    port = procs.free_port()
+    script = []
+    for line in lines[1:]:
+        line = re.sub(r"^export TOASTMACHINE_AMQP_URL=\S+", f"export TOASTMACHINE_AMQP_URL={rabbitmq_url}", line)
+        line = re.sub(r"^export TOASTMACHINE_DATABASE_URL=\S+",
+                      f"export TOASTMACHINE_DATABASE_URL={database_url}", line)
+        line = re.sub(r"^honcho start\b", f"exec honcho start -p {port}", line)
+        script.append(line)
+    assert any(line.startswith("exec honcho start") for line in script), script
+    env = procs.clean_env(PATH="/usr/bin:/bin", TOASTMACHINE_DATA_DIR=str(tmp_path))
+    env.pop("VIRTUAL_ENV", None)
+    group = await procs.start(program=("bash", "-c", "set -euo pipefail\n" + "\n".join(script)), env=env)
+    try:
+        url = await group.wait_listening(timeout=90)
+        assert url.endswith(f":{port}")
+        await group.wait_for_line(r"writer\.1\s+\|.*ToastMachine running writer", timeout=60)
+        status, body = await procs.get_json(url + "/readyz")
+        assert status == 200, body
+    finally:
+        await group.stop()
+    text = "\n".join(group.output)
+    assert "command not found" not in text and "Traceback" not in text, text
+    for name in ("web.1", "writer.1", "publisher.1"):
+        assert re.search(rf"{re.escape(name)} stopped \(rc=0\)", text), text
