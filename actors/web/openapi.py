@@ -221,7 +221,9 @@ def _schemas() -> dict[str, Schema]:
          "how_to_proceed": {"type": "string"}},
         {"field": {"type": "string", "description": "The request field, parameter or header at fault."},
          "fields": {"type": "array", "items": {"type": "string"}, "description": "Every unknown field."},
-         "pointer": {"type": "string", "description": "JSON pointer into a payload that fails its schema."},
+         "pointer": {"type": "string", "description": "JSON pointer into the body: the part of a payload that "
+                                                      "fails its schema, or a number that cannot be stored exactly."},
+         "limit": {"type": "integer", "description": "The limit that was exceeded (json_too_deep: levels)."},
          "existing_relationship_id": ref("Id"),
          "lineage": {"type": "string", "format": "uuid", "description": "The lineage this node serves."}})
     s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of SPEC §3.")
@@ -473,8 +475,10 @@ RESPONSES: dict[str, Schema] = {
                        "already_retracted, name_taken."),
     "PayloadTooLarge": _error("The body is over 256 KiB."),
     "UnsupportedMediaType": _error("The body is not sent as application/json."),
-    "Unprocessable": _error("validation_failed (with field), unknown_schema, schema_validation_failed "
-                            "(with pointer), event_too_large, verification_needs_claim..."),
+    "Unprocessable": _error("validation_failed (with field), json_too_deep (with limit: more than 64 levels of "
+                            "arrays and objects), number_not_exact (with pointer: a number its stored form "
+                            "would change), unknown_schema, schema_validation_failed (with pointer), "
+                            "event_too_large, verification_needs_claim..."),
     "OnboardingRequired": _error("onboarding_required: GET /guide with the credential, then retry the "
                                  "identical request with the same Operation-Token."),
     "TooManyRequests": _error("rate_limited: wait Retry-After seconds.", _h("RetryAfter")),
