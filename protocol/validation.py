@@ -125,6 +125,10 @@ class _Literal(str):
     """A non-integer number exactly as written in the request."""
 
 
+class _IntLiteral(str):
+    """An integer exactly as written (kept as text: Python refuses to convert very long ones)."""
+
+
 def _refuse_inexact_numbers(raw: bytes) -> None:
     """422 ``number_not_exact`` at the first number (in document order) its stored form would change."""
 
@@ -132,7 +136,7 @@ def _refuse_inexact_numbers(raw: bytes) -> None:
         raise ValueError(name)  # NaN / Infinity are not JSON
 
     try:
-        exact = json.loads(raw, parse_float=_Literal, parse_int=int, parse_constant=reject_constant)
+        exact = json.loads(raw, parse_float=_Literal, parse_int=_IntLiteral, parse_constant=reject_constant)
     except (ValueError, RecursionError, UnicodeDecodeError):
         return  # not JSON after all: the caller's invalid_json stands
     for pointer, number in _numbers(exact, ""):
@@ -152,7 +156,7 @@ def _refuse_inexact_numbers(raw: bytes) -> None:
                                "what a 64-bit integer or an IEEE 754 double holds.")
 
 
-def _numbers(value: object, pointer: str) -> Iterator[tuple[str, int | _Literal]]:
+def _numbers(value: object, pointer: str) -> Iterator[tuple[str, _IntLiteral | _Literal]]:
     """Every number in ``value`` (depth already bounded by the caller) with its JSON Pointer."""
     if isinstance(value, dict):
         for key, child in value.items():
@@ -160,14 +164,15 @@ def _numbers(value: object, pointer: str) -> Iterator[tuple[str, int | _Literal]
     elif isinstance(value, list):
         for i, child in enumerate(value):
             yield from _numbers(child, f"{pointer}/{i}")
-    elif isinstance(value, (_Literal, int)) and not isinstance(value, bool):
+    elif isinstance(value, (_Literal, _IntLiteral)):
         yield pointer, value
 
 
-def _inexact(number: int | _Literal) -> str | None:
+def _inexact(number: _IntLiteral | _Literal) -> str | None:
     """Why ``number`` would not be stored as the same value, or None if it would."""
-    if isinstance(number, int):
-        if MIN_EXACT_INT <= number <= MAX_EXACT_INT:
+    if isinstance(number, _IntLiteral):
+        # 2**64 has 20 digits: anything longer is out of range without converting it.
+        if len(number.lstrip("-")) <= 20 and MIN_EXACT_INT <= int(number) <= MAX_EXACT_INT:
             return None
         return "integers are stored exactly only from -2**63 to 2**64-1"
     stored = float(number)
