@@ -68,11 +68,18 @@ async def test_second_node_on_a_busy_port_exits_at_once_without_a_traceback(tmp_
 
 
 async def test_json_log_mode_writes_only_json_lines(tmp_path: Path) -> None:
-    node = await procs.start("up", env=_env(tmp_path / "data", TOASTMACHINE_LOG_FORMAT="json"))
+    env = _env(tmp_path / "data", TOASTMACHINE_LOG_FORMAT="json")
+    node = await procs.start("up", env=env)
     try:
         url = await node.wait_listening(timeout=60)
         status, _ = await procs.get_json(url + "/healthz")
         assert status == 200
+        # A refusal is a record too.
+        second = await procs.start("up", env=env)
+        assert await second.wait(timeout=15) == 1
+        records = [json.loads(line) for line in second.output if line.strip()]
+        assert [(r["event"], r["level"]) for r in records] == [("cli.failed", "error")], second.output
+        assert "already using the data directory" in records[0]["detail"]
     finally:
         assert await node.stop() == 0
     lines = [line for line in node.output if line.strip()]
