@@ -22,7 +22,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from protocol.errors import ToastMachineError
+from protocol.errors import ConfigError, ToastMachineError
 
 LOCK_FILE = "toastmachine.lock"
 
@@ -57,22 +57,26 @@ def hold_data_dir(data_dir: Path) -> Iterator[Path]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise AlreadyInUse if ``host:port`` cannot be bound now (port 0 always can)."""
-    if port == 0:
-        return
+def check_can_listen(host: str, port: int) -> None:
+    """Fail now, with one sentence, if the web front could not listen on ``host:port``.
+
+    Raises AlreadyInUse when another process listens there, ConfigError (naming the variable) when
+    the address cannot be used on this machine at all (unknown host, not a local address, a
+    privileged port). Otherwise the server would crash-loop on the bind until its start deadline.
+    """
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return  # an unresolvable host is the server's own error to report, with its own message
+    except socket.gaierror as e:
+        raise ConfigError(f"TOASTMACHINE_HOST={host!r} does not resolve ({e.strerror})") from None
     for family, kind, proto, _name, address in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(address)
             except OSError as e:
-                if e.errno != errno.EADDRINUSE:
-                    return  # e.g. no permission: let the server say so
-                raise AlreadyInUse(
-                    f"port {port} on {host} is already in use by another process; stop it, or set "
-                    f"TOASTMACHINE_PORT to a free port (0 picks one)") from None
+                if e.errno == errno.EADDRINUSE:
+                    raise AlreadyInUse(
+                        f"port {port} on {host} is already in use by another process; stop it, or set "
+                        f"TOASTMACHINE_PORT to a free port (0 picks one)") from None
+                variable = "TOASTMACHINE_PORT" if e.errno == errno.EACCES else "TOASTMACHINE_HOST"
+                raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); check {variable}") from None

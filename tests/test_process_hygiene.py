@@ -119,3 +119,14 @@ async def test_server_header_names_the_product_not_the_framework(tmp_path: Path)
                     assert resp.headers.get("Server") == "ToastMachine", (path, resp.headers.get("Server"))
     finally:
         assert await node.stop() == 0
+
+
+async def test_an_address_this_machine_cannot_listen_on_is_a_configuration_error(tmp_path: Path) -> None:
+    """Not a crash-loop until the start deadline and then exit 0, as before: exit 2 at once, naming the variable."""
+    # 203.0.113.0/24 is TEST-NET-3 (RFC 5737): never an address of this machine.
+    proc = await procs.start("up", env=_env(tmp_path / "data", TOASTMACHINE_HOST="203.0.113.7", TOASTMACHINE_PORT="8080"))
+    assert await proc.wait(timeout=15) == 2, proc.output
+    lines = [line for line in proc.output if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("toastmachine: cannot listen on 203.0.113.7:8080 (") and \
+        lines[0].endswith("); check TOASTMACHINE_HOST"), lines

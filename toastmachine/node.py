@@ -28,7 +28,7 @@ from infra.db import (
     ensure_identity,
     start_embedded,
 )
-from infra.exclusive import check_port_free, hold_data_dir
+from infra.exclusive import check_can_listen, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from infra.runtime import Actor, ActorHealth, Supervisor
@@ -148,7 +148,7 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
             # DATA_DIR holds the embedded database: one serving process may own it, not two.
             exclusive.enter_context(hold_data_dir(settings.data_dir))
         if web:
-            check_port_free(settings.host, settings.port)
+            check_can_listen(settings.host, settings.port)
         return await _serve(settings, actors=actors, web=web, allow_memory_bus=allow_memory_bus,
                             announce=announce)
 
@@ -170,6 +170,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
         log.info("node.stopping", signal=signame)
         stop.set()
 
+    start_failed = False
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
@@ -185,6 +186,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
             elif start.done():
                 not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
                 log.error("node.start_failed", actors=not_started)
+                start_failed = True
                 stop.set()
             start.cancel()
             stop_wait.cancel()
@@ -197,7 +199,8 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
                           detail="unfinished work was not acknowledged and will be redelivered")
                 return 1
         log.info("node.stopped")
-        return 0
+        # A node that never came up must not look like one that ran and stopped cleanly.
+        return 1 if start_failed else 0
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
