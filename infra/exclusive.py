@@ -38,10 +38,14 @@ def hold_data_dir(data_dir: Path) -> Iterator[Path]:
     Raises AlreadyInUse naming the holder's PID when another process holds it.
     """
     data_dir = Path(data_dir).expanduser()
-    data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir.resolve() / LOCK_FILE
-    # O_CLOEXEC: the embedded PostgreSQL we start must not inherit (and so prolong) the lock.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        # O_CLOEXEC: the embedded PostgreSQL we start must not inherit (and so prolong) the lock.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise ConfigError(f"TOASTMACHINE_DATA_DIR={str(data_dir)!r} cannot hold the lock file {LOCK_FILE} "
+                          f"({e.strerror}); it must be a writable directory") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -130,3 +130,12 @@ async def test_an_address_this_machine_cannot_listen_on_is_a_configuration_error
     assert len(lines) == 1, lines
     assert lines[0].startswith("toastmachine: cannot listen on 203.0.113.7:8080 (") and \
         lines[0].endswith("); check TOASTMACHINE_HOST"), lines
+
+
+async def test_a_data_dir_that_cannot_hold_the_lock_is_a_configuration_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = await procs.start("up", env=_env(blocker / "data"))
+    assert await proc.wait(timeout=15) == 2, proc.output
+    lines = [line for line in proc.output if line.strip()]
+    assert len(lines) == 1 and "TOASTMACHINE_DATA_DIR=" in lines[0] and "writable directory" in lines[0], lines
