@@ -226,7 +226,7 @@ def _schemas() -> dict[str, Schema]:
          "limit": {"type": "integer", "description": "The limit that was exceeded (json_too_deep: levels)."},
          "existing_relationship_id": ref("Id"),
          "lineage": {"type": "string", "format": "uuid", "description": "The lineage this node serves."}})
-    s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of SPEC §3.")
+    s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of docs/contract.md §4.")
 
     # The corpus and the change history.
     s["CorpusInfo"] = _obj({
@@ -337,7 +337,7 @@ def _event_envelope() -> Schema:
                                                         "maximum": PARTITIONS - 1},
                 "corpus_id": ref("Id"), "lineage": ref("Id"), "occurred_at": ref("Timestamp"),
                 "data": {"type": "object"}},
-               description="One change of the history (SPEC §4): a line of changes.jsonl, an SSE event's data, "
+               description="One change of the history (docs/contract.md §5): a line of changes.jsonl, an SSE event's data, "
                            "an AMQP message on tm.events.")
     out["allOf"] = [{"if": {"properties": {"type": {"const": t}}}, "then": {"properties": {"data": d}}}
                     for t, d in data.items()]
