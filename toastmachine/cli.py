@@ -59,17 +59,20 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 def cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     """Every actor and the web front in one process; embedded database and in-process bus by default."""
-    return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True, announce=_announcer(settings)))
+    return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True,
+                      announce=_announcer(settings)))
 
 
 def cmd_web(settings: Settings, args: argparse.Namespace) -> int:
     """The web front alone (ingress and hub); needs TOASTMACHINE_AMQP_URL."""
-    return _run(serve(settings, actors=[], web=True, allow_memory_bus=False, announce=_announcer(settings)))
+    return _run(serve(settings, actors=[], web=True, allow_memory_bus=False,
+                      announce=_announcer(settings)))
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     """One back-end actor in this process; needs TOASTMACHINE_AMQP_URL."""
-    return _run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False, announce=_announcer(settings)))
+    return _run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False,
+                      announce=_announcer(settings)))
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
