@@ -139,3 +139,12 @@ async def test_a_data_dir_that_cannot_hold_the_lock_is_a_configuration_error(tmp
     assert await proc.wait(timeout=15) == 2, proc.output
     lines = [line for line in proc.output if line.strip()]
     assert len(lines) == 1 and "TOASTMACHINE_DATA_DIR=" in lines[0] and "writable directory" in lines[0], lines
+
+
+async def test_a_service_url_with_an_impossible_port_is_a_configuration_error(tmp_path: Path) -> None:
+    """Was an OverflowError traceback from deep inside the connect call."""
+    proc = await procs.start("migrate", env=_env(tmp_path / "data",
+                                                 TOASTMACHINE_DATABASE_URL="postgresql://127.0.0.1:99999/x"))
+    assert await proc.wait(timeout=15) == 2, proc.output
+    lines = [line for line in proc.output if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("toastmachine: configuration error: TOASTMACHINE_DATABASE_URL"), lines
