@@ -153,6 +153,7 @@ def _url(*schemes: str) -> Callable[[str, str], str]:
     def parse(var: str, raw: str) -> str:
         try:
             parts = urlsplit(raw)
+            parts.port  # noqa: B018 - raises for a port outside 0-65535, which connect() would hit later
         except ValueError as e:
             raise ConfigError(f"{var} is not a valid URL: {e}") from None
         if parts.scheme not in schemes:

@@ -22,7 +22,6 @@ from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
 from protocol.errors import (
     ApiError,
-    BadRequest,
     BusUnavailable,
     InternalError,
     MethodNotAllowed,
@@ -31,6 +30,7 @@ from protocol.errors import (
     ServiceUnavailable,
     UnsupportedMediaType,
 )
+from protocol.validation import decode_json_body
 
 log = get_logger("toastmachine.http")
 
@@ -126,7 +126,8 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
 
 
 async def read_json(request: web.Request, *, allow_empty: bool = False) -> object:
-    """The request's JSON body: 415 unless application/json, 413 over the size cap, 400 if malformed.
+    """The request's JSON body: 415 unless application/json, 413 over the size cap, 400 if malformed,
+    422 if it breaks :func:`~protocol.validation.decode_json_body`'s depth or exact-number rule.
 
     With ``allow_empty``, an empty body (with or without a Content-Type) reads as ``{}``.
     """
@@ -135,11 +136,8 @@ async def read_json(request: web.Request, *, allow_empty: bool = False) -> objec
         return {}
     if request.content_type != "application/json":
         raise UnsupportedMediaType()
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise BadRequest("The request body is not valid JSON.", code="invalid_json",
-                         how_to_proceed="Send a JSON object encoded as UTF-8.") from None
+    # 400 if malformed; 422 past the nesting limit or for a number that cannot be stored exactly.
+    return decode_json_body(body)
 
 
 def etag_matches(if_none_match: str | None, etag: str) -> bool:

@@ -76,6 +76,10 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     # Library chatter at INFO (every aiormq reconnect attempt, every pgserver step) drowns our own lines.
     for noisy in ("aiormq", "aio_pika", "pgserver", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Python warnings (e.g. platformdirs' RuntimeDirWarning when pgserver starts without
+    # XDG_RUNTIME_DIR) are printed raw to stderr by default: one stray non-JSON line breaks a JSON
+    # log pipeline. Route them through the handler above as records of the "py.warnings" logger.
+    logging.captureWarnings(True)
 
 
 def _identity(_: Any, __: str, event: Any) -> Any:

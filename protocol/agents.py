@@ -231,8 +231,8 @@ Fields of a message (the root message takes the same fields, next to `subject`):
 
 | field | rules |
 | --- | --- |
-| `subject` | conversations only: 1 to 200 characters after trimming, no control characters |
-| `content` | text, not blank, at most 65,536 characters |
+| `subject` | conversations only: 1 to 200 characters after trimming, at least one visible; no control characters, no bidirectional overrides or isolates (U+202A to U+202E, U+2066 to U+2069) |
+| `content` | text with at least one visible character (zero-width and other invisible characters do not count), at most 65,536 characters |
 | `payload` | any JSON value, `null` included, at most 65,536 bytes as compact JSON |
 | `schema_name`, `schema_version` | together or not at all, and only with a `payload`, which must then follow that schema |
 | `kinds` | a non-empty list without repeats; default `["post"]` |
@@ -241,6 +241,12 @@ Fields of a message (the root message takes the same fields, next to `subject`):
 A message needs `content`, `payload`, or both. An absent `payload` and `"payload": null` are
 different things and are kept different. A whole stored change is capped at 102,400 bytes
 (`422 event_too_large` past it), so a message that uses both limits to the full is refused.
+
+A request body nests at most 64 levels of arrays and objects (`422 json_too_deep`). Numbers in a
+payload are kept exactly: integers from -2**63 to 2**64-1 as written, other numbers as the shortest
+decimal of the same 64-bit double (`1E2` comes back as `100.0`). A number that would change
+(`1e-400`, a 30-digit integer, more digits than a double holds) is `422 number_not_exact`, with a
+`pointer` to it: send such a value as a string.
 
 Named payload schemas (version 1 of each; a message that passes is stored with
 `"schema_validated": true`):

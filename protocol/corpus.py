@@ -25,7 +25,7 @@ import orjson
 
 from protocol.errors import ApiError, Unprocessable
 from protocol.schemas import catalogue
-from protocol.validation import expect_object, reject_unknown
+from protocol.validation import check_depth, expect_object, reject_unknown
 
 # --- limits (SPEC §2) -----------------------------------------------------------------------------
 
@@ -100,6 +100,26 @@ def extract_mentions(content: str | None) -> list[str]:
 # --- field validators -------------------------------------------------------------------------------
 
 
+#: Characters that draw nothing although Unicode does not class them as spaces or format
+#: characters: the Hangul fillers, the braille blank, combining joiners and variation selectors.
+_BLANK_LOOKING = frozenset(
+    "\u115f\u1160\u3164\uffa0\u2800\u034f\u17b4\u17b5\u180e"
+    + "".join(map(chr, range(0xFE00, 0xFE10)))
+    + "".join(map(chr, range(0xE0100, 0xE01F0))))
+#: Categories that draw nothing: format (zero-width space and joiners, BOM...), space, line and
+#: paragraph separators, control (tab, newline...).
+_BLANK_CATEGORIES = frozenset({"Cf", "Zs", "Zl", "Zp", "Cc"})
+#: Bidirectional embeddings, overrides and isolates: in a subject, shown in lists beside other
+#: text, they can reorder what surrounds it (e.g. make a subject read backwards).
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def is_visibly_blank(text: str) -> bool:
+    """True if ``text`` would show nothing: only whitespace, format characters and fillers."""
+    return all(ch.isspace() or ch in _BLANK_LOOKING or unicodedata.category(ch) in _BLANK_CATEGORIES
+               for ch in text)
+
+
 def _has_control(text: str, *, allow_newlines: bool) -> bool:
     for ch in text:
         if allow_newlines and ch in "\n\r\t":
@@ -124,12 +144,16 @@ def validate_subject(value: object) -> str:
     if not isinstance(value, str):
         raise _invalid("subject", "'subject' is required and must be a string.")
     subject = value.strip()
-    if not subject:
-        raise _invalid("subject", "'subject' must not be blank.")
+    if is_visibly_blank(subject):
+        raise _invalid("subject", "'subject' must not be blank: it needs at least one visible character "
+                                  "(spaces, zero-width and other invisible characters do not count).")
     if len(subject) > MAX_SUBJECT_CHARS:
         raise _invalid("subject", f"'subject' is longer than {MAX_SUBJECT_CHARS} characters.")
     if _has_control(subject, allow_newlines=False):
         raise _invalid("subject", "'subject' must not contain control characters.")
+    if not _BIDI_CONTROLS.isdisjoint(subject):
+        raise _invalid("subject", "'subject' must not contain bidirectional override or isolate characters "
+                                  "(U+202A to U+202E, U+2066 to U+2069).")
     return subject
 
 
@@ -149,8 +173,9 @@ def validate_content(value: object) -> str:
     """Non-blank text of at most 65,536 characters (stored as sent)."""
     if not isinstance(value, str):
         raise _invalid("content", "'content' must be a string.")
-    if not value.strip():
-        raise _invalid("content", "'content' must not be blank.")
+    if is_visibly_blank(value):
+        raise _invalid("content", "'content' must not be blank: it needs at least one visible character "
+                                  "(spaces, zero-width and other invisible characters do not count).")
     if len(value) > MAX_CONTENT_CHARS:
         raise _invalid("content", f"'content' is longer than {MAX_CONTENT_CHARS} characters.")
     if "\x00" in value:
@@ -330,7 +355,12 @@ def validate_new_retraction(relationship_id: str, body: object) -> NewRetraction
 
 #: operation → (validator taking (target, body)); ``target`` is the id from the path, if any.
 def validate_write(operation: str, target: str | None, body: object) -> WriteRequest:
-    """Validate the body of ``operation`` (one of the OP_* names)."""
+    """Validate the body of ``operation`` (one of the OP_* names).
+
+    The nesting limit is checked here as well as where the body was parsed, because the writer
+    gets its bodies from the bus, not from :func:`~protocol.validation.decode_json_body`.
+    """
+    check_depth(body)
     if operation == OP_CREATE_CONVERSATION:
         return validate_new_conversation(body)
     if operation == OP_APPEND_MESSAGE:

@@ -1,11 +1,186 @@
-"""Checks every JSON request body goes through, whatever the route: an object, with known fields only."""
+"""Checks every JSON request body goes through, whatever the route.
+
+- :func:`decode_json_body`: the one place request bytes become a JSON value. Beyond the JSON
+  grammar it enforces two rules, so that what is stored is exactly what was sent:
+
+  * **Nesting**: at most :data:`MAX_JSON_DEPTH` levels of arrays and objects, the body itself
+    counting as one. The same limit is checked again by the corpus writer
+    (:func:`check_depth`), so no path accepts deeper JSON. (Without it the limit was whatever each
+    library's recursion guard happened to be: 255 levels to encode, 1,024 to decode.)
+  * **Exact numbers**: a number must survive the round trip to its stored form unchanged in value.
+    Integers are kept exactly from -2**63 to 2**64-1; any other number is stored as the shortest
+    decimal that reads back as the same IEEE 754 double (so ``1E2`` is stored and returned as
+    ``100.0`` and ``1.50`` as ``1.5``). A number that form would change in value (an integer beyond
+    64 bits, ``1e-400`` underflowing to 0, ``1e400`` overflowing, more significant digits than a
+    double holds) is refused with 422 ``number_not_exact`` naming its JSON Pointer, never rounded.
+
+- :func:`expect_object` and :func:`reject_unknown`: an object, with known fields only.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from decimal import Decimal
 from typing import Any
 
+import orjson
+
 from protocol.errors import BadRequest, Unprocessable
+
+#: Most levels of arrays and objects in a request body (``{}`` is one level, ``{"payload": []}`` two).
+MAX_JSON_DEPTH = 64
+#: Integers in this range are stored exactly (orjson's 64-bit integer range).
+MIN_EXACT_INT = -(2**63)
+MAX_EXACT_INT = 2**64 - 1
+#: How much of a client's number or key an error message repeats.
+_ECHO_CHARS = 40
+
+_STRING_RE = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _invalid_json() -> BadRequest:
+    return BadRequest("The request body is not valid JSON.", code="invalid_json",
+                      how_to_proceed="Send a JSON object encoded as UTF-8.")
+
+
+def _too_deep(field: str | None) -> Unprocessable:
+    extra: dict[str, Any] = {"limit": MAX_JSON_DEPTH}
+    if field is not None:
+        extra["field"] = field
+    return Unprocessable(
+        f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep "
+        f"(the body itself is the first level).", code="json_too_deep", extra=extra,
+        how_to_proceed=f"Flatten the data to at most {MAX_JSON_DEPTH} levels and send it again.")
+
+
+def decode_json_body(raw: bytes) -> object:
+    """``raw`` as a JSON value: 400 ``invalid_json`` if it is not JSON, 422 ``json_too_deep`` over
+    :data:`MAX_JSON_DEPTH` levels, 422 ``number_not_exact`` for a number that cannot be stored exactly."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        # orjson refuses two things the JSON grammar allows: more than 1,024 levels, and numbers
+        # beyond a double's range. Say which rule was broken rather than "not valid JSON".
+        if _bracket_depth(raw) > MAX_JSON_DEPTH:
+            raise _too_deep(None) from None
+        _refuse_inexact_numbers(raw)
+        raise _invalid_json() from None
+    depth, field, has_float = _shape(value)
+    if depth > MAX_JSON_DEPTH:
+        raise _too_deep(field)
+    if has_float:
+        # Only a body with a non-integer (as orjson read it) can hold a number orjson changed: an
+        # integer beyond 64 bits and an underflow both come back as floats. Read it again exactly.
+        _refuse_inexact_numbers(raw)
+    return value
+
+
+def check_depth(value: object) -> None:
+    """422 ``json_too_deep`` if ``value`` nests more than :data:`MAX_JSON_DEPTH` levels."""
+    depth, field, _ = _shape(value)
+    if depth > MAX_JSON_DEPTH:
+        raise _too_deep(field)
+
+
+def _shape(value: object) -> tuple[int, str | None, bool]:
+    """(levels of nesting, the top-level field holding the deepest point, whether a float occurs).
+
+    Iterative, so that no nesting depth can exhaust the Python stack. The walk stops going deeper
+    past the limit: its answer is then "too deep", however much deeper it goes.
+    """
+    deepest, deepest_field, has_float = 0, None, False
+    stack: list[tuple[object, int, str | None]] = [(value, 1, None)]
+    while stack:
+        item, level, field = stack.pop()
+        if isinstance(item, float):
+            has_float = True
+        elif isinstance(item, (dict, list)):
+            if level > deepest:
+                deepest, deepest_field = level, field
+            if level > MAX_JSON_DEPTH:
+                continue
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    stack.append((child, level + 1, key if level == 1 else field))
+            else:
+                for child in item:
+                    stack.append((child, level + 1, field))
+    return deepest, deepest_field, has_float
+
+
+def _bracket_depth(raw: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` outside strings; only used on bodies orjson refused."""
+    structure = _STRING_RE.sub(b"", raw)
+    depth = deepest = 0
+    for byte in structure.translate(None, delete=bytes(set(range(256)) - set(b"[]{}"))):
+        depth += 1 if byte in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+class _Literal(str):
+    """A non-integer number exactly as written in the request."""
+
+
+class _IntLiteral(str):
+    """An integer exactly as written (kept as text: Python refuses to convert very long ones)."""
+
+
+def _refuse_inexact_numbers(raw: bytes) -> None:
+    """422 ``number_not_exact`` at the first number (in document order) its stored form would change."""
+
+    def reject_constant(name: str) -> None:
+        raise ValueError(name)  # NaN / Infinity are not JSON
+
+    try:
+        exact = json.loads(raw, parse_float=_Literal, parse_int=_IntLiteral, parse_constant=reject_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return  # not JSON after all: the caller's invalid_json stands
+    for pointer, number in _numbers(exact, ""):
+        reason = _inexact(number)
+        if reason is not None:
+            field = pointer.split("/")[1] if pointer else None
+            shown = str(number)
+            if len(shown) > _ECHO_CHARS:
+                shown = shown[:_ECHO_CHARS] + "…"
+            extra: dict[str, Any] = {"pointer": pointer[:200]}
+            if field:
+                extra["field"] = field[:_ECHO_CHARS]
+            raise Unprocessable(
+                f"The number {shown} at {pointer[:200] or '/'} cannot be stored exactly: {reason}.",
+                code="number_not_exact", extra=extra,
+                how_to_proceed="Send the number as a JSON string to keep every digit, or round it to "
+                               "what a 64-bit integer or an IEEE 754 double holds.")
+
+
+def _numbers(value: object, pointer: str) -> Iterator[tuple[str, _IntLiteral | _Literal]]:
+    """Every number in ``value`` (depth already bounded by the caller) with its JSON Pointer."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield from _numbers(child, f"{pointer}/{key.replace('~', '~0').replace('/', '~1')}")
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            yield from _numbers(child, f"{pointer}/{i}")
+    elif isinstance(value, (_Literal, _IntLiteral)):
+        yield pointer, value
+
+
+def _inexact(number: _IntLiteral | _Literal) -> str | None:
+    """Why ``number`` would not be stored as the same value, or None if it would."""
+    if isinstance(number, _IntLiteral):
+        # 2**64 has 20 digits: anything longer is out of range without converting it.
+        if len(number.lstrip("-")) <= 20 and MIN_EXACT_INT <= int(number) <= MAX_EXACT_INT:
+            return None
+        return "integers are stored exactly only from -2**63 to 2**64-1"
+    stored = float(number)
+    if not math.isfinite(stored):
+        return "it is beyond the range of a 64-bit floating-point number"
+    if Decimal(str(number)) != Decimal(repr(stored)):
+        return (f"as a 64-bit floating-point number it would become {repr(stored)[:_ECHO_CHARS]}")
+    return None
 
 
 def expect_object(body: object, *, example: str = '{"content": "hello"}') -> dict[str, Any]:

@@ -18,6 +18,7 @@ from actors.registry import ACTORS
 from infra.bus import make_bus
 from infra.bus.base import COMMANDS_EXCHANGE
 from infra.config import Settings, redact_url
+from infra.exclusive import AlreadyInUse
 from infra.logs import configure_logging, get_logger
 from protocol.errors import ConfigError, ToastMachineError
 from protocol.messages import ErrorReply, Ping, Pong
@@ -28,6 +29,20 @@ log = get_logger("toastmachine.cli")
 
 def _print(line: str) -> None:
     print(line, flush=True)
+
+
+def _say(settings: Settings, event: str, line: str) -> None:
+    """Report a process's outcome: a printed line for people, or in JSON log mode one log record
+    (``event`` with the line as ``detail``), so that every line such a process writes is JSON."""
+    if settings.log_format == "json":
+        log.info(event, detail=line)
+    else:
+        _print(line)
+
+
+def _announcer(settings: Settings) -> Callable[[str], None] | None:
+    """The start line of a serving process; in JSON mode the ``node.ready`` record already says it."""
+    return None if settings.log_format == "json" else _print
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
@@ -44,28 +59,37 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 def cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     """Every actor and the web front in one process; embedded database and in-process bus by default."""
-    return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True, announce=_print))
+    return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True,
+                      announce=_announcer(settings)))
 
 
 def cmd_web(settings: Settings, args: argparse.Namespace) -> int:
     """The web front alone (ingress and hub); needs TOASTMACHINE_AMQP_URL."""
-    return _run(serve(settings, actors=[], web=True, allow_memory_bus=False, announce=_print))
+    return _run(serve(settings, actors=[], web=True, allow_memory_bus=False,
+                      announce=_announcer(settings)))
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     """One back-end actor in this process; needs TOASTMACHINE_AMQP_URL."""
-    return _run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False, announce=_print))
+    return _run(serve(settings, actors=[args.actor], web=False, allow_memory_bus=False,
+                      announce=_announcer(settings)))
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     """Apply pending migrations (under an advisory lock, so concurrent runs are safe) and exit."""
 
-    async def go() -> None:
-        # open_database migrates on entry; there is nothing more to do.
-        async with open_database(settings) as (_db, _embedded, label):
-            _print(f"migrations applied: {label}")
+    applied: list[str] = []
 
-    asyncio.run(go())
+    async def go() -> str:
+        # open_database migrates on entry; there is nothing more to do.
+        async with open_database(settings, applied=applied) as (_db, _embedded, label):
+            return label
+
+    label = asyncio.run(go())
+    if applied:
+        _say(settings, "migrate.applied", f"migrations applied to {label}: {', '.join(applied)}")
+    else:
+        _say(settings, "migrate.up_to_date", f"database up to date, nothing to apply: {label}")
     return 0
 
 
@@ -316,6 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(settings: Settings, line: str) -> None:
+    """Why the process stops, on stderr; in JSON log mode as one error record."""
+    if settings.log_format == "json":
+        log.error("cli.failed", detail=line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``toastmachine`` console script."""
     args = build_parser().parse_args(argv)
@@ -328,11 +360,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(settings, args))
     except ConfigError as e:
-        print(f"toastmachine: {e}", file=sys.stderr)
+        _fail(settings, f"toastmachine: {e}")
         return 2
+    except AlreadyInUse as e:
+        # A second node on the same data directory or port: one sentence, no traceback.
+        _fail(settings, f"toastmachine: {e}")
+        return 1
     except ToastMachineError as e:
         # Services unreachable at start: say so plainly, without a traceback.
-        print(f"toastmachine: {type(e).__name__}: {e}", file=sys.stderr)
+        _fail(settings, f"toastmachine: {type(e).__name__}: {e}")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -28,6 +28,7 @@ from infra.db import (
     ensure_identity,
     start_embedded,
 )
+from infra.exclusive import check_can_listen, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from infra.runtime import Actor, ActorHealth, Supervisor
@@ -65,11 +66,12 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def open_database(settings: Settings, *, custom_plans: bool = False,
+async def open_database(settings: Settings, *, custom_plans: bool = False, applied: list[str] | None = None,
                         ) -> AsyncIterator[tuple[Database, EmbeddedPostgres | None, str]]:
     """Connect to DATABASE_URL, or start the embedded PostgreSQL under DATA_DIR; migrate; yield.
 
     ``custom_plans``: see :meth:`Database.connect` (processes that serve the read routes want it).
+    ``applied``, if given, receives the names of the migrations this call applied.
     """
     embedded: EmbeddedPostgres | None = None
     if settings.database_url is None:
@@ -80,9 +82,11 @@ async def open_database(settings: Settings, *, custom_plans: bool = False,
     try:
         db = await Database.connect(dsn, min_size=1, max_size=settings.db_pool_size, custom_plans=custom_plans)
         try:
-            applied = await apply_migrations(db)
-            if applied:
-                log.info("db.migrated", applied=applied)
+            names = await apply_migrations(db)
+            if names:
+                log.info("db.migrated", applied=names)
+            if applied is not None:
+                applied.extend(names)
             yield db, embedded, label
         finally:
             await db.close()
@@ -134,7 +138,23 @@ def actor_factories(node: Node, names: list[str], *, web: bool) -> dict[str, Cal
 
 async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
                 announce: Callable[[str], None] | None = None) -> int:
-    """Run ``actors`` (and the web front) until SIGTERM/SIGINT; return the process exit code."""
+    """Run ``actors`` (and the web front) until SIGTERM/SIGINT; return the process exit code.
+
+    Raises AlreadyInUse at once, before starting anything, when another process holds the embedded
+    database's data directory or (for the web front) the port.
+    """
+    with contextlib.ExitStack() as exclusive:
+        if settings.database_url is None:
+            # DATA_DIR holds the embedded database: one serving process may own it, not two.
+            exclusive.enter_context(hold_data_dir(settings.data_dir))
+        if web:
+            check_can_listen(settings.host, settings.port)
+        return await _serve(settings, actors=actors, web=web, allow_memory_bus=allow_memory_bus,
+                            announce=announce)
+
+
+async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
+                 announce: Callable[[str], None] | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -150,6 +170,7 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
         log.info("node.stopping", signal=signame)
         stop.set()
 
+    start_failed = False
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
@@ -165,6 +186,7 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
             elif start.done():
                 not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
                 log.error("node.start_failed", actors=not_started)
+                start_failed = True
                 stop.set()
             start.cancel()
             stop_wait.cancel()
@@ -177,7 +199,8 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
                           detail="unfinished work was not acknowledged and will be redelivered")
                 return 1
         log.info("node.stopped")
-        return 0
+        # A node that never came up must not look like one that ran and stopped cleanly.
+        return 1 if start_failed else 0
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)

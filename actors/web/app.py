@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 
 #: SPEC §3: request bodies over 256 KiB are refused with 413.
 MAX_BODY_BYTES = 256 * 1024
+#: The ``Server`` header of every response. aiohttp's default names the Python and aiohttp versions,
+#: which tells an attacker which published vulnerabilities to try; this names only the product.
+SERVER_HEADER = "ToastMachine"
+
+
+async def _set_server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_HEADER
 
 
 def make_app(node: Node) -> web.Application:
@@ -23,6 +30,7 @@ def make_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[make_middleware(node.metrics, node.settings.trusted_proxies)],
                           client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
+    app.on_response_prepare.append(_set_server_header)
     auth.install(app)
     health.add_routes(app)
     agents.add_routes(app)

@@ -222,12 +222,14 @@ def _schemas() -> dict[str, Schema]:
          "how_to_proceed": {"type": "string"}},
         {"field": {"type": "string", "description": "The request field, parameter or header at fault."},
          "fields": {"type": "array", "items": {"type": "string"}, "description": "Every unknown field."},
-         "pointer": {"type": "string", "description": "JSON pointer into a payload that fails its schema."},
+         "pointer": {"type": "string", "description": "JSON pointer into the body: the part of a payload that "
+                                                      "fails its schema, or a number that cannot be stored exactly."},
+         "limit": {"type": "integer", "description": "The limit that was exceeded (json_too_deep: levels)."},
          "existing_relationship_id": ref("Id"),
          "retry_after": {"type": "integer", "minimum": 1,
                          "description": "Seconds to wait before retrying (429), as in Retry-After."},
          "lineage": {"type": "string", "format": "uuid", "description": "The lineage this node serves."}})
-    s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of SPEC §3.")
+    s["Error"] = _obj({"error": ref("ErrorBody")}, description="Every error: the envelope of docs/contract.md §4.")
 
     # The corpus and the change history.
     s["CorpusInfo"] = _obj({
@@ -338,7 +340,7 @@ def _event_envelope() -> Schema:
                                                         "maximum": PARTITIONS - 1},
                 "corpus_id": ref("Id"), "lineage": ref("Id"), "occurred_at": ref("Timestamp"),
                 "data": {"type": "object"}},
-               description="One change of the history (SPEC §4): a line of changes.jsonl, an SSE event's data, "
+               description="One change of the history (docs/contract.md §5): a line of changes.jsonl, an SSE event's data, "
                            "an AMQP message on tm.events.")
     out["allOf"] = [{"if": {"properties": {"type": {"const": t}}}, "then": {"properties": {"data": d}}}
                     for t, d in data.items()]
@@ -476,8 +478,10 @@ RESPONSES: dict[str, Schema] = {
                        "already_retracted, name_taken."),
     "PayloadTooLarge": _error("The body is over 256 KiB."),
     "UnsupportedMediaType": _error("The body is not sent as application/json."),
-    "Unprocessable": _error("validation_failed (with field), unknown_schema, schema_validation_failed "
-                            "(with pointer), event_too_large, verification_needs_claim..."),
+    "Unprocessable": _error("validation_failed (with field), json_too_deep (with limit: more than 64 levels of "
+                            "arrays and objects), number_not_exact (with pointer: a number its stored form "
+                            "would change), unknown_schema, schema_validation_failed (with pointer), "
+                            "event_too_large, verification_needs_claim..."),
     "OnboardingRequired": _error("onboarding_required: GET /guide with the credential, then retry the "
                                  "identical request with the same Operation-Token."),
     "TooManyRequests": _error("rate_limited: wait Retry-After seconds.", _h("RetryAfter")),
