@@ -133,7 +133,9 @@ async def test_the_writer_applies_the_same_nesting_limit_to_what_it_takes_off_th
         body = orjson.loads(_nested(levels))
         command = WriteCommand(operation=corpus.OP_APPEND_MESSAGE, target=cid, body=body,
                                author_id=alice.agent_id, author_name=alice.name, token=str(uuid.uuid4()))
-        reply = await stack.bus.request(COMMANDS_EXCHANGE, corpus.OP_APPEND_MESSAGE, command, timeout=10)
+        scope = stack.identity.scope
+        reply = await stack.bus.request(COMMANDS_EXCHANGE, scope.command_key(corpus.OP_APPEND_MESSAGE), command,
+                                        timeout=10, headers=scope.headers())
         assert isinstance(reply.message, (ErrorReply, WriteResult)), reply.message
         return reply.message
 
