@@ -124,6 +124,14 @@ class NotAcceptable(ApiError):
     how_to_proceed = "Ask for application/json."
 
 
+class ReadTimeout(ApiError):
+    """The client did not deliver its request (headers or body) within the read timeout."""
+
+    status, code = 408, "request_timeout"
+    message = "The request was not received in time."
+    how_to_proceed = "Send the whole request (headers and body) without pausing, then retry."
+
+
 class Conflict(ApiError):
     status, code = 409, "conflict"
 

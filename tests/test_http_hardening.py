@@ -1,0 +1,102 @@
+"""What reaches a client, and the logs, when a request is malformed, oversized or too slow.
+
+Requests go over raw sockets (an HTTP client library would refuse to send most of them). The
+parser cases run against a real ``toastmachine web`` process logging JSON, with a real credential
+in the rejected request: neither the answer nor any log line may contain it (or any other header
+bytes). The timeout cases run on the in-process stack with a short TOASTMACHINE_HTTP_READ_TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.corpus_fixtures import Stack
+from tests.deployment import deployment
+
+#: A marker next to the credential in every hostile request: a second secret that must not leak.
+CANARY = "zq7canary"
+
+
+async def _exchange(host: str, port: int, raw: bytes, timeout: float = 15) -> bytes:
+    """Send ``raw`` on a fresh connection and read until the server closes it."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            return await reader.read()  # read() to EOF: every rejection closes the connection
+    finally:
+        writer.close()
+
+
+def _split(response: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return status, headers, body
+
+
+def _hostile_requests(credential: str) -> list[tuple[str, bytes, int, str]]:
+    """(reason, raw request, expected status, expected code), each carrying the credential."""
+    auth = f"Authorization: Bearer {credential}\r\n".encode()
+    host = b"Host: node\r\n"
+    return [
+        ("nul_in_header", b"GET /corpus HTTP/1.1\r\n" + host + auth + f"X-{CANARY}: a\x00b\r\n\r\n".encode(),
+         400, "malformed_request"),
+        ("bare_cr_in_header", b"GET /corpus HTTP/1.1\r\n" + host + auth + f"X-{CANARY}: a\rb\r\n\r\n".encode(),
+         400, "malformed_request"),
+        ("long_authorization", b"GET /corpus HTTP/1.1\r\n" + host
+         + f"Authorization: Bearer {credential}{CANARY}{'A' * 9000}\r\n\r\n".encode(), 431, "header_too_large"),
+        ("too_many_headers", b"GET /corpus HTTP/1.1\r\n" + host + auth
+         + b"".join(f"X-{CANARY}-{i}: {i}\r\n".encode() for i in range(200)) + b"\r\n", 431, "too_many_headers"),
+        ("bad_method", f"G{CANARY}(T /corpus HTTP/1.1\r\n".encode() + host + auth + b"\r\n", 400, "malformed_request"),
+        ("long_request_line", f"GET /corpus?q={credential}{CANARY}{'a' * 9000} HTTP/1.1\r\n".encode() + host
+         + auth + b"\r\n", 414, "uri_too_long"),
+    ]
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        web = await dep.start("web", "web-hostile", TOASTMACHINE_LOG_FORMAT="json",
+                              TOASTMACHINE_HTTP_READ_TIMEOUT="1")
+        url = dep.urls["web-hostile"]
+        host, port = re.match(r"http://([^:]+):(\d+)", url).groups()  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/register", json={"name": "victim-agent"}) as resp:
+                assert resp.status == 201
+                credential = (await resp.json())["credential"]
+            cases = _hostile_requests(credential)
+            for reason, raw, status, code in cases:
+                got_status, headers, body = _split(await _exchange(host, int(port), raw))
+                assert (got_status, headers.get("content-type", "").split(";")[0]) == (status, "application/json"), \
+                    (reason, got_status, body[:300])
+                envelope = orjson.loads(body)["error"]
+                assert envelope["code"] == code, (reason, envelope)
+                assert envelope["message"] and envelope["how_to_proceed"]
+                assert credential.encode() not in body and CANARY.encode() not in body, reason
+            # A connection that sends nothing is answered 408 and closed; its log line comes last.
+            timed_out, _, _ = _split(await _exchange(host, int(port), b""))
+            assert timed_out == 408
+            await web.wait_for_line(r'"reason": ?"header_timeout"', timeout=15)
+            async with session.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+        rejected = [orjson.loads(line) for line in web.output if "http.request_rejected" in line]
+        assert [r["level"] for r in rejected] == ["warning"] * (len(cases) + 1)
+        assert sorted(r["reason"] for r in rejected) == sorted(
+            ["malformed", "malformed", "header_too_large", "too_many_headers", "bad_method",
+             "request_line_too_long", "header_timeout"])
+        log = "\n".join(web.output)
+        assert credential not in log and CANARY not in log
+        assert "Traceback" not in log and "Error handling request" not in log
+        for reason in ("malformed", "header_too_large", "too_many_headers", "bad_method", "request_line_too_long"):
+            assert f'toastmachine_http_rejected_total{{reason="{reason}"}}' in metrics, reason
