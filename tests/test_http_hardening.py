@@ -35,6 +35,19 @@ async def _exchange(host: str, port: int, raw: bytes, timeout: float = 15) -> by
         writer.close()
 
 
+async def _metric_appears(session: aiohttp.ClientSession, url: str, needle: str, *, then: object = None,
+                          timeout: float = 15) -> None:
+    """Call ``then`` (if given), then poll the metrics page until ``needle`` shows in it."""
+    if callable(then):
+        then()
+    async with asyncio.timeout(timeout):
+        while True:
+            async with session.get(url) as resp:
+                if needle in await resp.text():
+                    return
+            await asyncio.sleep(0.05)  # polling an observable, each pass bounded by the timeout above
+
+
 def _split(response: bytes) -> tuple[int, dict[str, str], bytes]:
     head, _, body = response.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -84,6 +97,13 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
                 assert envelope["code"] == code, (reason, envelope)
                 assert envelope["message"] and envelope["how_to_proceed"]
                 assert credential.encode() not in body and CANARY.encode() not in body, reason
+            # A client that leaves in the middle of a write's body is not a database failure (503).
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"POST /conversations HTTP/1.1\r\nHost: node\r\nAuthorization: Bearer {credential}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"subject\": ".encode())
+            await writer.drain()
+            await _metric_appears(session, f"{url}/metrics",
+                                  'route="/conversations",status="499"', then=writer.close)
             # A connection that sends nothing is answered 408 and closed; its log line comes last.
             timed_out, _, _ = _split(await _exchange(host, int(port), b""))
             assert timed_out == 408
@@ -98,5 +118,92 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
         log = "\n".join(web.output)
         assert credential not in log and CANARY not in log
         assert "Traceback" not in log and "Error handling request" not in log
+        assert "database_unavailable" not in log and 'status="503"' not in metrics
         for reason in ("malformed", "header_too_large", "too_many_headers", "bad_method", "request_line_too_long"):
             assert f'toastmachine_http_rejected_total{{reason="{reason}"}}' in metrics, reason
+
+
+READ_TIMEOUT = 0.5
+
+
+def _address(stack: Stack) -> tuple[str, int]:
+    server = stack.client.server
+    return str(server.host), int(server.port)  # type: ignore[arg-type]
+
+
+async def _closed_by_server(reader: asyncio.StreamReader, timeout: float = 10) -> bytes:
+    """Everything the server sends until it closes the connection (fails after ``timeout``)."""
+    async with asyncio.timeout(timeout):
+        return await reader.read()
+
+
+@pytest.mark.stack_env(TOASTMACHINE_HTTP_READ_TIMEOUT=str(READ_TIMEOUT))
+async def test_unfinished_request_headers_are_answered_408_and_closed(stack: Stack) -> None:
+    host, port = _address(stack)
+    silent = [await asyncio.open_connection(host, port) for _ in range(3)]
+    half = [await asyncio.open_connection(host, port) for _ in range(50)]
+    for _, writer in half:
+        writer.write(b"GET /corpus HTTP/1.1\r\nHost: node\r\nX-Padding: ")
+    trickling_reader, trickling = await asyncio.open_connection(host, port)
+    trickling.write(b"GET /corpus HTTP/1.1\r\n")
+
+    async def trickle() -> None:  # slowloris: a header byte every 50 ms, never the end of the headers
+        while not trickling.is_closing():
+            trickling.write(b"X")
+            await asyncio.sleep(0.05)
+
+    feeder = asyncio.create_task(trickle())
+    try:
+        answers = await asyncio.gather(*(_closed_by_server(r) for r, _ in [*silent, *half,
+                                                                            (trickling_reader, trickling)]))
+    finally:
+        feeder.cancel()
+        for _, writer in [*silent, *half, (trickling_reader, trickling)]:
+            writer.close()
+    for answer in answers:
+        status, headers, body = _split(answer)
+        assert status == 408 and headers["content-type"] == "application/json", answer[:200]
+        assert orjson.loads(body)["error"]["code"] == "request_timeout"
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert 'toastmachine_http_rejected_total{reason="header_timeout"} 54.0' in metrics
+
+
+@pytest.mark.stack_env(TOASTMACHINE_HTTP_READ_TIMEOUT=str(READ_TIMEOUT))
+async def test_a_stalled_body_is_answered_408_and_closed(stack: Stack) -> None:
+    agent = await stack.register()
+    host, port = _address(stack)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(f"POST /conversations HTTP/1.1\r\nHost: node\r\nAuthorization: Bearer {agent.credential}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"subject\"".encode())
+        status, _, body = _split(await _closed_by_server(reader, timeout=20))
+    finally:
+        writer.close()
+    assert status == 408 and orjson.loads(body)["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.stack_env(TOASTMACHINE_HTTP_READ_TIMEOUT=str(READ_TIMEOUT), TOASTMACHINE_STREAM_HEARTBEAT="0.2")
+async def test_keep_alive_and_streams_outlive_the_read_timeout(stack: Stack) -> None:
+    host, port = _address(stack)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        for _ in range(2):  # the second request comes after an idle gap longer than the read timeout
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n")
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+                await reader.readexactly(length)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            await asyncio.sleep(3 * READ_TIMEOUT)  # the idle time under test, not a synchronisation
+    finally:
+        writer.close()
+    resp = await stack.client.get("/corpus/stream", timeout=aiohttp.ClientTimeout(total=None))
+    heartbeats = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with asyncio.timeout(20):
+        async for line in resp.content:
+            heartbeats += line.startswith(b": heartbeat")
+            if loop.time() - started > 4 * READ_TIMEOUT and heartbeats >= 2:
+                break
+    resp.close()
