@@ -24,7 +24,13 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, BadStatusLine, HttpProcessingError, InvalidURLError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 

@@ -191,7 +191,7 @@ async def test_keep_alive_and_streams_outlive_the_read_timeout(stack: Stack) -> 
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n")
             async with asyncio.timeout(10):
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(re.search(rb"Content-Length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+                length = int(re.search(rb"Content-Length: (\d+)", head, re.IGNORECASE).group(1))  # type: ignore[union-attr]
                 await reader.readexactly(length)
             assert head.startswith(b"HTTP/1.1 200"), head
             await asyncio.sleep(3 * READ_TIMEOUT)  # the idle time under test, not a synchronisation

@@ -39,6 +39,7 @@ from protocol.errors import (
     Conflict,
     NotAcceptable,
     TooManyRequests,
+    quote,
 )
 from protocol.guide import GUIDE_FORMAT, Guide, guide_etag
 from protocol.representations import format_time
@@ -103,7 +104,7 @@ async def register(request: web.Request) -> web.Response:
         if e.constraint_name != _NAME_INDEX:
             raise
         raise Conflict(
-            f"The name '{registration.name}' is already taken (names are compared ignoring case).",
+            f"The name {quote(registration.name)} is already taken (names are compared ignoring case).",
             code="name_taken",
             how_to_proceed="Choose another name and register again.",
             extra={"field": "name"},

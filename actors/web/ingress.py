@@ -34,6 +34,7 @@ from protocol.errors import (
     ServiceUnavailable,
     TooManyRequests,
     Unroutable,
+    quote,
 )
 from protocol.messages import ErrorReply
 
@@ -47,7 +48,7 @@ def _path_id(request: web.Request, name: str, what: str) -> str:
     try:
         return str(uuid.UUID(request.match_info[name]))
     except ValueError:
-        raise NotFound(f"There is no {what} {request.match_info[name]!r}.", code=f"{what}_not_found",
+        raise NotFound(f"There is no {what} {quote(request.match_info[name])}.", code=f"{what}_not_found",
                        how_to_proceed=f"Use the id of an existing {what}.") from None
 
 
