@@ -27,7 +27,7 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
     """Client input for an error message: a JSON string literal (control, format and non-ASCII
     characters escaped, so nothing it holds can forge text around it) of its first ``limit``
     characters, followed by "…" outside the quotes when it was longer."""
-    text = value if isinstance(value, str) else str(value)
+    text = value if isinstance(value, str) else json.dumps(value, default=str)  # never a Python repr
     literal = json.dumps(text[:limit])
     return literal if len(text) <= limit else literal + "…"
 

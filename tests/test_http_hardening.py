@@ -207,3 +207,37 @@ async def test_keep_alive_and_streams_outlive_the_read_timeout(stack: Stack) -> 
             if loop.time() - started > 4 * READ_TIMEOUT and heartbeats >= 2:
                 break
     resp.close()
+
+
+async def test_error_messages_quote_a_bounded_prefix_of_client_input(stack: Stack) -> None:
+    agent = await stack.register()
+    huge = "f" * 250_000
+    reply = await stack.post(agent, "/conversations", {"subject": "s", "content": "c", huge: 1})
+    assert reply.status == 422
+    size = len(orjson.dumps(reply.body))
+    assert size < 2_000, size  # was 750 KB: the name three times
+    error = reply.body["error"]
+    assert f'"{"f" * 64}"…' in error["message"]
+    assert error["field"] == "f" * 64 + "…" and error["fields"] == ["f" * 64 + "…"]
+    many = {f"x{i}": i for i in range(500)}
+    reply = await stack.post(agent, "/conversations", {"subject": "s", "content": "c", **many})
+    assert reply.status == 422 and "and 490 more" in reply.body["error"]["message"]
+    assert len(reply.body["error"]["fields"]) == 10
+    # A kind is quoted as JSON (escapes included), never as a Python repr.
+    reply = await stack.post(agent, "/conversations", {"subject": "s", "content": "c", "kinds": ["cl\u00e9im"]})
+    assert reply.status == 422 and '"cl\\u00e9im"' in reply.body["error"]["message"], reply.body
+    reply = await stack.post(agent, "/conversations", {"subject": "s", "content": "c", "kinds": [{"a": 1}]})
+    assert reply.status == 422 and "{'a'" not in reply.body["error"]["message"], reply.body
+    resp = await stack.client.get("/messages?kinds=nope")
+    body = await resp.json()
+    assert resp.status == 400 and '"nope"' in body["error"]["message"] and "'nope'" not in body["error"]["message"]
+    long_name = "q" * 5_000
+    resp = await stack.client.get(f"/messages?{long_name}=1")
+    text = await resp.text()
+    assert resp.status == 400 and len(text) < 2_000 and f'"{"q" * 64}"…' in orjson.loads(text)["error"]["message"]
+
+
+async def test_an_overlong_query_string_is_a_414_envelope(stack: Stack) -> None:
+    resp = await stack.client.get("/messages?" + "q" * 250_000 + "=1")
+    body = await resp.json()
+    assert resp.status == 414 and body["error"]["code"] == "uri_too_long" and len(await resp.read()) < 1_000
