@@ -1012,7 +1012,10 @@ async def bench_fanout(args: argparse.Namespace) -> None:
                                       timeout=aiohttp.ClientTimeout(total=60)) as session:
             env = clean_env(TOASTMACHINE_AMQP_URL=amqp_url, TOASTMACHINE_DATABASE_URL=dsn,
                             TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
-                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000")
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000",
+                            # Every client connects from this machine: the stream caps must not refuse them.
+                            **known_settings(TOASTMACHINE_STREAM_MAX=str(max(10_000, args.clients + 10)),
+                                             TOASTMACHINE_STREAM_MAX_PER_CLIENT=str(args.clients + 10)))
             started: list[tuple[str, NodeProcess]] = []
             try:
                 writer = await start("run", "writer", env=env)
