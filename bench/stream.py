@@ -1054,10 +1054,34 @@ async def bench_fanout(args: argparse.Namespace) -> None:
 # --- (c) hostile clients against one web node ---------------------------------------------------
 
 
+#: Concurrent writers of the --hostile write-rate measurement.
+WRITERS = 16
+
+
 async def write_rate(http: HttpSide, seconds: float) -> tuple[float, Counter[str]]:
-    """Writes per second answered 201 when writing as fast as the in-flight bound allows."""
-    answered, failures, took = await paced_writes(http, 100_000.0, seconds, http.size)
-    return len(answered) / took, failures
+    """Writes per second answered 201 by ``WRITERS`` concurrent writers writing for ``seconds``."""
+    failures: Counter[str] = Counter()
+    accepted = 0
+    deadline = time.perf_counter() + seconds
+
+    async def writer(i: int) -> None:
+        nonlocal accepted
+        n = 0
+        while time.perf_counter() < deadline:
+            n += 1
+            try:
+                status, _ = await append(http.session, http.url, http.agents[i % len(http.agents)], n, http.size)
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                failures[type(e).__name__] += 1
+                continue
+            if status == 201:
+                accepted += 1
+            else:
+                failures[str(status)] += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(writer(i) for i in range(WRITERS)))
+    return accepted / (time.perf_counter() - started), failures
 
 
 async def non_reading_catchup(host: str, port: int, opened: list[socket.socket]) -> None:
