@@ -41,10 +41,20 @@ client (server RSS with the clients connected minus before, divided by the clien
 ours/raw in frames/s (target >= 0.5), whether ours meets p99 <= 100 ms, and the CPU each process
 used: this client, both servers, the broker and the database share the machine's CPUs.
 
-Run: ``python bench/stream.py [--catchup | --fanout] [--database-url postgresql://...] [--changes N]
+(c) ``--hostile``: one web node under abuse, against itself without it. Seeds ``--changes`` changes
+(default 7,500), starts the Procfile's writer, publisher and one ``toastmachine web``, then measures
+the write rate to that node (``--agents`` agents, as fast as ``MAX_WRITES_IN_FLIGHT`` allows, for
+``--seconds``) twice: alone (the baseline), and while ``--catchups`` (200) clients hold
+``GET /corpus/stream?after=0`` without ever reading (a small receive window) and ``--slowloris``
+(50) connections trickle request headers, one byte a second, reconnecting when the node closes them.
+Prints the web process's RSS before, during (peak) and after the hostile load (after its sockets are
+closed), the two write rates and their ratio (hostile/baseline), and how many slowloris connections
+the node closed. The same mode runs against older code (settings it does not know are not passed).
+
+Run: ``python bench/stream.py [--catchup | --fanout | --hostile] [--database-url postgresql://...] [--changes N]
 [--size BYTES] [--limit L] [--rounds R] [--server subprocess|inprocess] [--keep] [--verbose]
 [--clients N] [--rate R] [--seconds S] [--content CHARS] [--agents A] [--drain S]
-[--amqp-url amqp://...] [--vhost private|shared] [--logs DIR]``
+[--amqp-url amqp://...] [--vhost private|shared] [--logs DIR] [--catchups N] [--slowloris M]``
 """
 
 from __future__ import annotations
@@ -52,9 +62,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import resource
+import socket
 import statistics
 import sys
 import tempfile
@@ -75,7 +87,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.web.app import make_app
+from actors.web.app import make_app, make_runner
 from actors.web.hub import DEFAULT_SUBSCRIBER_QUEUE
 from bench.write import (
     DEFAULT_AMQP_URL,
@@ -198,7 +210,7 @@ async def serve_front(dsn: str) -> None:
     await bus.connect()
     identity = await ensure_identity(db, None, None)
     node = Node(settings=settings, db=db, bus=bus, identity=identity, identity_error=None, database_label="bench")
-    runner = web.AppRunner(make_app(node), access_log=None)
+    runner = make_runner(make_app(node), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -1000,7 +1012,10 @@ async def bench_fanout(args: argparse.Namespace) -> None:
                                       timeout=aiohttp.ClientTimeout(total=60)) as session:
             env = clean_env(TOASTMACHINE_AMQP_URL=amqp_url, TOASTMACHINE_DATABASE_URL=dsn,
                             TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
-                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000")
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000",
+                            # Every client connects from this machine: the stream caps must not refuse them.
+                            **known_settings(TOASTMACHINE_STREAM_MAX=str(max(10_000, args.clients + 10)),
+                                             TOASTMACHINE_STREAM_MAX_PER_CLIENT=str(args.clients + 10)))
             started: list[tuple[str, NodeProcess]] = []
             try:
                 writer = await start("run", "writer", env=env)
@@ -1035,11 +1050,155 @@ async def bench_fanout(args: argparse.Namespace) -> None:
     print_fanout(args, frame_size, ours, raw)
 
 
+
+# --- (c) hostile clients against one web node ---------------------------------------------------
+
+
+#: Concurrent writers of the --hostile write-rate measurement.
+WRITERS = 16
+
+
+async def write_rate(http: HttpSide, seconds: float) -> tuple[float, Counter[str]]:
+    """Writes per second answered 201 by ``WRITERS`` concurrent writers writing for ``seconds``."""
+    failures: Counter[str] = Counter()
+    accepted = 0
+    deadline = time.perf_counter() + seconds
+
+    async def writer(i: int) -> None:
+        nonlocal accepted
+        n = 0
+        while time.perf_counter() < deadline:
+            n += 1
+            try:
+                status, _ = await append(http.session, http.url, http.agents[i % len(http.agents)], n, http.size)
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                failures[type(e).__name__] += 1
+                continue
+            if status == 201:
+                accepted += 1
+            else:
+                failures[str(status)] += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(writer(i) for i in range(WRITERS)))
+    return accepted / (time.perf_counter() - started), failures
+
+
+async def non_reading_catchup(host: str, port: int, opened: list[socket.socket]) -> None:
+    """Open ``GET /corpus/stream?after=0`` with a small receive window and never read it."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (host, port))
+    await loop.sock_sendall(sock, b"GET /corpus/stream?after=0 HTTP/1.1\r\nHost: bench\r\n\r\n")
+    opened.append(sock)
+
+
+async def slowloris(host: str, port: int, closed: Counter[str]) -> None:
+    """Keep one connection trickling request headers (a byte a second), reconnecting when closed."""
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            closed["connect_failed"] += 1
+            await asyncio.sleep(1)
+            continue
+        try:
+            writer.write(b"GET /corpus HTTP/1.1\r\nHost: bench\r\n")
+            while not reader.at_eof():
+                writer.write(b"X")
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        if await reader.read(65536) == b"":
+                            break
+            closed["by_server"] += 1
+        except (ConnectionError, OSError):
+            closed["by_server"] += 1
+        finally:
+            writer.close()
+
+
+def known_settings(**env: str) -> dict[str, str]:
+    """The ``TOASTMACHINE_*`` variables of ``env`` that this code's Settings knows (older code refuses others)."""
+    fields = {f.name.upper() for f in dataclasses.fields(Settings)}
+    return {k: v for k, v in env.items() if k.removeprefix("TOASTMACHINE_") in fields}
+
+
+async def bench_hostile(args: argparse.Namespace) -> None:
+    """(c) the write rate and RSS of one web node with and without hostile stream and slowloris clients."""
+    raise_fd_limit(args.catchups + args.slowloris + 1024)
+    quiet_product_logs()
+    tag = uuid.uuid4().hex[:12]
+    with cancel_on_sigterm(), tempfile.TemporaryDirectory(prefix="tm-bench-") as data_dir:
+        async with private_vhost(args.amqp_url, args.vhost, f"tm_bench_{tag}") as amqp_url, \
+                fresh_database(args.database_url, args.keep) as dsn, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=MAX_WRITES_IN_FLIGHT),
+                                      timeout=aiohttp.ClientTimeout(total=60)) as session:
+            await seed(dsn, args.changes, args.per_conversation, args.size)
+            env = clean_env(TOASTMACHINE_AMQP_URL=amqp_url, TOASTMACHINE_DATABASE_URL=dsn,
+                            TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000",
+                            **known_settings(TOASTMACHINE_STREAM_MAX_PER_CLIENT=str(args.catchups + 100),
+                                             TOASTMACHINE_HTTP_READ_TIMEOUT=str(args.read_timeout)))
+            started: list[tuple[str, NodeProcess]] = []
+            sockets: list[socket.socket] = []
+            closed: Counter[str] = Counter()
+            try:
+                for role in ("writer", "publisher"):
+                    proc = await start("run", role, env=env)
+                    started.append((role, proc))
+                    await proc.wait_for_line(rf"ToastMachine running {role}", 60)
+                web = await start("web", env=env)
+                started.append(("web", web))
+                url = await web.wait_listening(60)
+                host, port = urlsplit(url).hostname or "127.0.0.1", urlsplit(url).port or 80
+                http = HttpSide(session, url, [Agent(f"h{tag[:6]}_{i}") for i in range(args.agents)],
+                                args.content_size)
+                await http.set_up()
+                await write_rate(http, 2.0)  # warm-up, unmeasured
+                baseline, base_failures = await write_rate(http, args.seconds)
+                before = rss_bytes(web.proc.pid)
+                async with RssSampler(web.proc.pid) as rss:
+                    await asyncio.gather(*(non_reading_catchup(host, port, sockets) for _ in range(args.catchups)))
+                    lorises = [asyncio.create_task(slowloris(host, port, closed)) for _ in range(args.slowloris)]
+                    try:
+                        hostile, hostile_failures = await write_rate(http, args.seconds)
+                    finally:
+                        for task in lorises:
+                            task.cancel()
+                        await asyncio.gather(*lorises, return_exceptions=True)
+                    during = rss_bytes(web.proc.pid)
+                for sock in sockets:
+                    sock.close()
+                await asyncio.sleep(3.0)  # let the node notice the closed sockets and end their streams
+                after = rss_bytes(web.proc.pid)
+            finally:
+                for sock in sockets:
+                    sock.close()
+                await asyncio.gather(*(stop_process(p) for _, p in started))
+                if args.logs is not None:
+                    args.logs.mkdir(parents=True, exist_ok=True)
+                    for label, p in started:
+                        (args.logs / f"{label}.log").write_text("\n".join(p.output) + "\n")
+    mib = 1024 * 1024
+    print(f"hostile: {args.catchups} non-reading after=0 streams on a {args.changes}-change history, "
+          f"{args.slowloris} slowloris connections, {args.seconds:g} s of writes each side")
+    print(f"web RSS: before {before / mib:.0f} MiB, during {during / mib:.0f} MiB (peak {rss.peak / mib:.0f}), "
+          f"after {after / mib:.0f} MiB")
+    print(f"writes/s: baseline {baseline:.0f}, under hostile load {hostile:.0f}, ratio {hostile / baseline:.2f}"
+          f"  (failures: baseline {dict(base_failures) or 0}, hostile {dict(hostile_failures) or 0})")
+    print(f"slowloris connections closed by the node: {closed['by_server']}"
+          + (f" (connects failed: {closed['connect_failed']})" if closed["connect_failed"] else ""))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--catchup", action="store_true", help="(b) changes.jsonl catch-up vs COPY (default)")
     which.add_argument("--fanout", action="store_true", help="(a) SSE fan-out vs plain aiohttp")
+    which.add_argument("--hostile", action="store_true", help="(c) one web node under hostile clients")
     which.add_argument("--serve", metavar="DSN", help=argparse.SUPPRESS)  # child mode of --server subprocess
     which.add_argument("--raw-server", metavar="PORT", type=int, help=argparse.SUPPRESS)  # child of --fanout
     parser.add_argument("--database-url", default=DEFAULT_DSN, help="a PostgreSQL server's maintenance database")
@@ -1067,7 +1226,14 @@ async def main() -> None:
     fanout.add_argument("--vhost", choices=("private", "shared"), default="private",
                         help="private: a RabbitMQ virtual host of its own (needs rabbitmqctl)")
     fanout.add_argument("--logs", type=Path, help="write the node processes' output to DIR/<process>.log")
+    hostile = parser.add_argument_group("--hostile (also uses --changes, --seconds, --agents, --content)")
+    hostile.add_argument("--catchups", type=int, default=200, help="non-reading after=0 streams")
+    hostile.add_argument("--slowloris", type=int, default=50, help="connections trickling request headers")
+    hostile.add_argument("--read-timeout", type=float, default=5.0,
+                         help="TOASTMACHINE_HTTP_READ_TIMEOUT of the node (where the code knows it)")
     args = parser.parse_args()
+    if args.hostile and args.changes == parser.get_default("changes"):
+        args.changes = 7_500
     if args.rounds is None:
         args.rounds = 2 if args.fanout else 5
     if args.serve:
@@ -1076,6 +1242,8 @@ async def main() -> None:
         await serve_raw(args.raw_server)
     elif args.fanout:
         await bench_fanout(args)
+    elif args.hostile:
+        await bench_hostile(args)
     else:
         await bench_catchup(args)
 

@@ -67,6 +67,13 @@ class Settings:
     writer_max_batch: int = 100
     #: Seconds between heartbeat comments on an idle SSE stream.
     stream_heartbeat: float = 15.0
+    #: Most SSE streams one web node serves at once; more are refused with 503 and Retry-After.
+    stream_max: int = 10_000
+    #: Most SSE streams one client address may hold open on one web node at once.
+    stream_max_per_client: int = 32
+    #: Seconds a client has to send a request's headers, and separately its body, before the
+    #: connection is answered 408 and closed (idle keep-alive connections and open streams are not cut).
+    http_read_timeout: float = 30.0
     #: Milliseconds a writer waits for more commands before committing a batch that is not full;
     #: 0 commits whatever is waiting at once (batches still form while a transaction runs).
     writer_linger_ms: float = 0.0
@@ -118,6 +125,9 @@ class Settings:
             prefetch=get("PREFETCH", _int(1, 10_000), d.prefetch),
             db_pool_size=get("DB_POOL_SIZE", _int(1, 1000), d.db_pool_size),
             stream_heartbeat=get("STREAM_HEARTBEAT", _float(0.01, 3600), d.stream_heartbeat),
+            stream_max=get("STREAM_MAX", _int(1, 1_000_000), d.stream_max),
+            stream_max_per_client=get("STREAM_MAX_PER_CLIENT", _int(1, 1_000_000), d.stream_max_per_client),
+            http_read_timeout=get("HTTP_READ_TIMEOUT", _float(0.05, 3600), d.http_read_timeout),
             writer_max_batch=get("WRITER_MAX_BATCH", _int(1, 10_000), d.writer_max_batch),
             writer_linger_ms=get("WRITER_LINGER_MS", _float(0, 1000), d.writer_linger_ms),
             node_id=get("NODE_ID", _node_id, d.node_id),

@@ -8,12 +8,14 @@ text: no stack trace, SQL message or secret ever reaches a client.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from infra.client_address import Address, TrustedProxies, client_address
@@ -22,11 +24,13 @@ from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
 from protocol.errors import (
     ApiError,
+    BadRequest,
     BusUnavailable,
     InternalError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
+    ReadTimeout,
     ServiceUnavailable,
     UnsupportedMediaType,
 )
@@ -37,6 +41,18 @@ log = get_logger("toastmachine.http")
 TRACE_RESPONSE_HEADER = "X-Trace-Id"
 #: The request's client address, resolved once by the middleware (see :func:`request_client`).
 CLIENT_ADDRESS: web.RequestKey[Address | None] = web.RequestKey("client_address")
+#: Seconds a request body may take to arrive (TOASTMACHINE_HTTP_READ_TIMEOUT); unset: no deadline.
+READ_TIMEOUT: web.AppKey[float] = web.AppKey("read_timeout", float)
+#: The status recorded for a request whose client left before the answer (nginx's convention):
+#: never sent, but kept apart from the server's own failures in the metrics.
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was read: nobody is left to answer.
+
+    Deliberately not an OSError: the middleware must not take it for the database going away.
+    """
 _TRACE_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
 
@@ -93,6 +109,9 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
                          client=str(client) if client is not None else "unknown") as trace_id:
             try:
                 response = await handler(request)
+            except ClientGone:
+                log.info("http.client_gone")
+                response = web.Response(status=CLIENT_CLOSED)
             except ApiError as e:
                 response = error_response(e)
             except web.HTTPException as e:
@@ -131,7 +150,19 @@ async def read_json(request: web.Request, *, allow_empty: bool = False) -> objec
 
     With ``allow_empty``, an empty body (with or without a Content-Type) reads as ``{}``.
     """
-    body = await request.read()  # aiohttp raises 413 past client_max_size; the middleware renders it
+    timeout = request.app.get(READ_TIMEOUT)
+    try:
+        async with asyncio.timeout(timeout):
+            body = await request.read()  # aiohttp raises 413 past client_max_size; the middleware renders it
+    except TimeoutError:
+        raise ReadTimeout("The request body was not received in time.",
+                             how_to_proceed="Send the whole body without pausing, then retry with the "
+                                            "same Operation-Token.") from None
+    except ConnectionError:
+        raise ClientGone() from None
+    except HttpProcessingError:  # a broken chunked encoding or a short body: the message says where
+        raise BadRequest("The request body could not be read (bad framing).", code="malformed_request",
+                         how_to_proceed="Send the body with a correct Content-Length or chunked encoding.") from None
     if allow_empty and not body.strip():
         return {}
     if request.content_type != "application/json":

@@ -31,6 +31,18 @@ class Metrics:
             "toastmachine_http_request_duration_seconds", "HTTP request latency, by route.",
             ["method", "route"], registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.rejected = Counter(
+            "toastmachine_http_rejected", "Requests refused before reaching a route (unparseable, too "
+            "large, too slow), by reason.", ["reason"], registry=self.registry)
+        self.stream_rows = Counter(
+            "toastmachine_stream_catchup_rows", "Change rows SSE streams read from the history to catch up.",
+            registry=self.registry)
+        self.stream_pages = Counter(
+            "toastmachine_stream_catchup_pages", "History pages SSE streams read to catch up.",
+            registry=self.registry)
+        self.stream_refused = Counter(
+            "toastmachine_stream_refused", "SSE streams refused by a concurrency cap, by cap.",
+            ["cap"], registry=self.registry)
         self.registry.register(_LiveCollector(bus, actors))
 
     def render(self) -> bytes:

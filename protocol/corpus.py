@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from protocol.errors import ApiError, Unprocessable
+from protocol.errors import ApiError, Unprocessable, clip, quote
 from protocol.schemas import catalogue
 from protocol.validation import check_depth, expect_object, reject_unknown
 
@@ -163,7 +163,7 @@ def validate_kinds(value: object) -> tuple[str, ...]:
         raise _invalid("kinds", f"'kinds' must be a non-empty list of: {', '.join(KINDS)}.")
     for kind in value:
         if not isinstance(kind, str) or kind not in _KIND_ORDER:
-            raise _invalid("kinds", f"Unknown kind {kind!r}; kinds are: {', '.join(KINDS)}.")
+            raise _invalid("kinds", f"Unknown kind {quote(kind)}; kinds are: {', '.join(KINDS)}.")
     if len(set(value)) != len(value):
         raise _invalid("kinds", "'kinds' must not repeat a kind.")
     return tuple(sorted(value, key=_KIND_ORDER.__getitem__))
@@ -234,9 +234,9 @@ def _validate_draft(body: Mapping[str, Any], *, allow_reply_to: bool) -> Message
         violation = catalogue().violation(schema_name, schema_version, body["payload"])
         if violation is not None:
             raise Unprocessable(
-                f"'payload' does not follow schema {schema_name} v{schema_version} at {violation.pointer}: "
+                f"'payload' does not follow schema {schema_name} v{schema_version} at {quote(violation.pointer)}: "
                 f"{violation.message}", code="schema_validation_failed",
-                extra={"field": "payload", "pointer": violation.pointer},
+                extra={"field": "payload", "pointer": clip(violation.pointer)},
                 how_to_proceed="Fix the payload to follow the schema, or send it without schema_name.")
     reply_to = None
     if "reply_to" in body:
@@ -263,7 +263,7 @@ def _validate_schema_ref(body: Mapping[str, Any]) -> tuple[str | None, int | Non
         raise _invalid("payload", "A message with 'schema_name' needs a 'payload' to validate.")
     if (name, version) not in catalogue():
         known = ", ".join(f"{n} v{v}" for n, v in catalogue().names())
-        raise Unprocessable(f"There is no schema {name!r} version {version}.", code="unknown_schema",
+        raise Unprocessable(f"There is no schema {quote(name)} version {version}.", code="unknown_schema",
                             extra={"field": "schema_name"},
                             how_to_proceed=f"Use one of: {known}; or send the payload without a schema.")
     return name, version
@@ -369,4 +369,4 @@ def validate_write(operation: str, target: str | None, body: object) -> WriteReq
         return validate_new_relationship(body)
     if operation == OP_RETRACT_RELATIONSHIP:
         return validate_new_retraction(target or "", body)
-    raise ApiError(f"Unknown operation {operation!r}.", code="unknown_operation")
+    raise ApiError(f"Unknown operation {quote(operation)}.", code="unknown_operation")

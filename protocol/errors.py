@@ -7,7 +7,35 @@ traces, secrets) ever goes into these fields.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+#: Most characters of one piece of client input an error message (or log line) repeats.
+QUOTE_LIMIT = 64
+#: Most pieces of client input (e.g. unknown field names) one error lists.
+LIST_LIMIT = 10
+
+
+def clip(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """Client input cut to its first ``limit`` characters, with "…" when it was longer: for the
+    machine-readable fields of an error (``field``, ``fields``)."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """Client input for an error message: a JSON string literal (control, format and non-ASCII
+    characters escaped, so nothing it holds can forge text around it) of its first ``limit``
+    characters, followed by "…" outside the quotes when it was longer."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)  # never a Python repr
+    literal = json.dumps(text[:limit])
+    return literal if len(text) <= limit else literal + "…"
+
+
+def quote_all(values: list[str], limit: int = LIST_LIMIT) -> str:
+    """Up to ``limit`` pieces of client input, quoted and comma-separated, then "and N more"."""
+    shown = ", ".join(quote(v) for v in values[:limit])
+    return shown if len(values) <= limit else f"{shown} and {len(values) - limit} more"
 
 
 class ToastMachineError(Exception):
@@ -122,6 +150,14 @@ class NotAcceptable(ApiError):
     status, code = 406, "not_acceptable"
     message = "None of the media types in Accept can be produced here."
     how_to_proceed = "Ask for application/json."
+
+
+class ReadTimeout(ApiError):
+    """The client did not deliver its request (headers or body) within the read timeout."""
+
+    status, code = 408, "request_timeout"
+    message = "The request was not received in time."
+    how_to_proceed = "Send the whole request (headers and body) without pausing, then retry."
 
 
 class Conflict(ApiError):

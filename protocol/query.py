@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from protocol.corpus import KINDS
-from protocol.errors import BadRequest
+from protocol.errors import BadRequest, clip, quote
 
 #: Page sizes of SPEC §3: default 100, at most 1,000.
 DEFAULT_LIMIT = 100
@@ -48,7 +48,7 @@ class Query:
         for name in params:
             if name not in self.accepted:
                 listed = ", ".join(self.accepted) if self.accepted else "none"
-                raise invalid(name, f"Unknown query parameter {name!r}.",
+                raise invalid(clip(name), f"Unknown query parameter {quote(name)}.",
                               f"Query parameters accepted here: {listed}.")
             if not first_wins and _count(params, name) > 1:
                 raise invalid(name, f"Query parameter {name!r} is given more than once.", f"Send {name!r} once.")
@@ -138,31 +138,24 @@ class Query:
                           f"Send a non-empty {name} of at most {max_length} characters.")
         return value
 
-    def choices(self, name: str, allowed: tuple[str, ...]) -> frozenset[str] | None:
-        """A comma-separated set of values from ``allowed`` (empty items ignored; at least one)."""
-        raw = self._params.get(name)
-        if raw is None:
-            return None
-        items = frozenset(v for v in raw.split(",") if v)
-        bad = sorted(items - set(allowed))
-        if not items or bad:
-            raise invalid(name, f"{name!r} has unknown value(s): {', '.join(bad) or '(empty)'}.",
-                          f"Use a comma-separated list of: {', '.join(allowed)}.")
-        return items
-
-    def kinds(self, name: str = "kinds") -> tuple[str, ...] | None:
-        """A comma-separated, non-empty set of distinct known kinds, in canonical order ("any of")."""
+    def members(self, name: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...] | None:
+        """A comma-separated, non-empty set of distinct values from ``allowed``, in ``allowed``'s
+        order ("any of"); an empty, unknown or repeated value is a 400 naming the parameter."""
         raw = self._params.get(name)
         if raw is None:
             return None
         parts = raw.split(",")
-        unknown = [p for p in parts if p not in KINDS]
+        unknown = [p for p in parts if p not in allowed]
         if not raw or unknown or len(set(parts)) != len(parts):
-            problem = (f"unknown kind {unknown[0]!r}" if unknown and unknown[0]
-                       else "an empty kind" if unknown or not raw else "a repeated kind")
+            problem = (f"unknown {what} {quote(unknown[0])}" if unknown and unknown[0]
+                       else f"an empty {what}" if unknown or not raw else f"a repeated {what}")
             raise invalid(name, f"{name!r} has {problem}.",
-                          f"Send one or more distinct kinds separated by commas, from: {', '.join(KINDS)}.")
-        return tuple(k for k in KINDS if k in parts)
+                          f"Send one or more distinct {what}s separated by commas, from: {', '.join(allowed)}.")
+        return tuple(v for v in allowed if v in parts)
+
+    def kinds(self, name: str = "kinds") -> tuple[str, ...] | None:
+        """A comma-separated, non-empty set of distinct known kinds, in canonical order ("any of")."""
+        return self.members(name, KINDS, "kind")
 
 
 def path_uuid(raw: str, name: str = "id") -> str:

@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from protocol.errors import BadRequest, Unprocessable
+from protocol.errors import LIST_LIMIT, BadRequest, Unprocessable, clip, quote_all
 
 #: Most levels of arrays and objects in a request body (``{}`` is one level, ``{"payload": []}`` two).
 MAX_JSON_DEPTH = 64
@@ -194,11 +194,12 @@ def expect_object(body: object, *, example: str = '{"content": "hello"}') -> dic
 def reject_unknown(body: Mapping[str, Any], allowed: Iterable[str]) -> None:
     """422 ``validation_failed`` naming every field of ``body`` not in ``allowed``.
 
-    ``extra`` carries ``field`` (the first, like every other field error) and ``fields`` (all).
+    ``extra`` carries ``field`` (the first, like every other field error) and ``fields`` (all, or
+    the first ten); names are quoted in bounded prefixes, so a huge key cannot make a huge answer.
     """
     allowed = sorted(allowed)
     unknown = sorted(str(k) for k in body if k not in allowed)
     if unknown:
         hint = f"Send only these fields: {', '.join(allowed)}." if allowed else "Send an empty body or {}."
-        raise Unprocessable(f"Unknown field(s): {', '.join(unknown)}.", how_to_proceed=hint,
-                            extra={"field": unknown[0], "fields": unknown})
+        raise Unprocessable(f"Unknown field(s): {quote_all(unknown)}.", how_to_proceed=hint,
+                            extra={"field": clip(unknown[0]), "fields": [clip(u) for u in unknown[:LIST_LIMIT]]})

@@ -199,15 +199,19 @@ async def test_filters(stack: Stack) -> None:
         assert [f.json()["data"]["message"]["content"] for f in kinds] == ["a claim"]
         types = await seen("?after=0&types=relationship.asserted,conversation.created")
         assert [f.event for f in types] == ["conversation.created", "conversation.created", "relationship.asserted"]
-        conv = await seen(f"?after=0&conversation={one}")
-        assert [f.event for f in conv] == ["conversation.created", "message.appended", "message.appended"]
+        conv = await seen(f"?after=0&conversation={one}")  # the relationship's source is in "one"
+        assert [f.event for f in conv] == ["conversation.created", "message.appended", "message.appended",
+                                           "relationship.asserted"]
         assert head == int(types[-1].id or 0)
 
 
 @pytest.mark.parametrize(("query", "headers", "field"), [
     ("?after=-1", {}, "after"), ("?after=abc", {}, "after"), ("?after=%C2%B2", {}, "after"), ("", {"Last-Event-ID": "x"}, "Last-Event-ID"),
     ("?types=nope", {}, "types"), ("?kinds=", {}, "kinds"), ("?conversation=42", {}, "conversation"),
-    ("?colour=red", {}, "colour"),
+    ("?colour=red", {}, "colour"), ("?types=message.appended,message.appended", {}, "types"),
+    ("?types=", {}, "types"), ("?types=message.appended,", {}, "types"), ("?kinds=claim,claim", {}, "kinds"),
+    ("?kinds=claim,", {}, "kinds"), ("?after=1000000", {}, "after"), ("", {"Last-Event-ID": "1000000"}, "Last-Event-ID"),
+    ("?lineage=nope", {}, "lineage"),
 ])
 async def test_bad_parameters_answer_400_with_the_envelope(stack: Stack, query: str, headers: dict[str, str],
                                                            field: str) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from actors.web.app import make_runner
 from infra.bus.base import Bus
 from infra.config import Settings
 from infra.db import CorpusIdentity, Database
@@ -25,10 +27,18 @@ def test_node(db: Database, bus: Bus, env: Mapping[str, str] | None = None, *,
 test_node.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test for pytest to collect
 
 
+class _Server(TestServer):
+    """aiohttp's TestServer with the web front's own runner (actors.web.app.make_runner), so tests
+    see the same connection handling (parser errors, read timeouts) as a node."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        return make_runner(self.app, **kwargs)
+
+
 @contextlib.asynccontextmanager
 async def serve(app: web.Application) -> AsyncIterator[TestClient]:
-    """Serve ``app`` on a free local port and yield a client for it; close both afterwards."""
-    client = TestClient(TestServer(app))
+    """Serve ``app`` (from make_app) on a free local port and yield a client for it; close both afterwards."""
+    client = TestClient(_Server(app))
     await client.start_server()
     try:
         yield client

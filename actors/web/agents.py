@@ -42,6 +42,7 @@ from protocol.errors import (
     Conflict,
     NotAcceptable,
     TooManyRequests,
+    quote,
 )
 from protocol.guide import GUIDE_FORMAT, Guide, guide_etag
 from protocol.representations import format_time
@@ -137,7 +138,7 @@ async def register(request: web.Request) -> web.Response:
     if created_at is None:
         # "on conflict do nothing": the name index (the credential is 32 random bytes, never a repeat).
         raise Conflict(
-            f"The name '{registration.name}' is already taken (names are compared ignoring case).",
+            f"The name {quote(registration.name)} is already taken (names are compared ignoring case).",
             code="name_taken",
             how_to_proceed="Choose another name and register again.",
             extra={"field": "name"},

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from actors.web import agents, auth, export, front, health, ingress, openapi, reads, stream
 from actors.web.context import NODE
-from infra.http import make_middleware
+from infra.http import READ_TIMEOUT, make_middleware
+from infra.http_server import GuardedAppRunner
 from infra.runtime import Actor
 
 if TYPE_CHECKING:
@@ -25,12 +26,20 @@ async def _set_server_header(request: web.Request, response: web.StreamResponse)
     response.headers["Server"] = SERVER_HEADER
 
 
+def make_runner(app: web.Application, **kwargs: Any) -> GuardedAppRunner:
+    """The runner that serves ``app`` (built by :func:`make_app`): enveloped parser errors, read
+    timeouts and rejection metrics for every connection. ``kwargs`` go to ``web.AppRunner``."""
+    node = app[NODE]
+    return GuardedAppRunner(app, metrics=node.metrics, read_timeout=node.settings.http_read_timeout, **kwargs)
+
+
 def make_app(node: Node) -> web.Application:
     """Build the web front's application for ``node``."""
     app = web.Application(middlewares=[make_middleware(node.metrics, node.settings.trusted_proxies)],
                           client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     app.on_response_prepare.append(_set_server_header)
+    app[READ_TIMEOUT] = node.settings.http_read_timeout
     auth.install(app)
     health.add_routes(app)
     agents.add_routes(app)
@@ -57,13 +66,13 @@ class WebFront(Actor):
         self.node = node
         self.host = host
         self.port = port
-        self._runner: web.AppRunner | None = None
+        self._runner: GuardedAppRunner | None = None
         self._site: web.TCPSite | None = None
         self.bound_port: int | None = None
 
     async def setup(self) -> None:
-        self._runner = web.AppRunner(make_app(self.node), handle_signals=False, access_log=None,
-                                     shutdown_timeout=self.node.settings.shutdown_grace)
+        self._runner = make_runner(make_app(self.node), handle_signals=False, access_log=None,
+                                   shutdown_timeout=self.node.settings.shutdown_grace)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port)
         await self._site.start()

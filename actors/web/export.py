@@ -73,7 +73,7 @@ def add_routes(app: web.Application) -> None:
 # --- request checks ----------------------------------------------------------------------------
 
 
-def _identity(request: web.Request) -> tuple[str, str]:
+def node_identity(request: web.Request) -> tuple[str, str]:
     """(corpus_id, lineage) of this node, or 503 ``lineage_unavailable``."""
     node = request.app[NODE]
     if node.identity_error is not None or node.identity is None:
@@ -85,7 +85,8 @@ def _identity(request: web.Request) -> tuple[str, str]:
     return str(node.identity.corpus_id), str(node.identity.lineage)
 
 
-def _identity_headers(corpus_id: str, lineage: str) -> dict[str, str]:
+def identity_headers(corpus_id: str, lineage: str) -> dict[str, str]:
+    """The headers naming the corpus and history lineage an answer belongs to."""
     return {"X-Corpus-Id": corpus_id, "X-Corpus-Lineage": lineage, "Cache-Control": "no-store"}
 
 
@@ -96,28 +97,35 @@ _PARAM_HELP = {
 }
 
 
-def _check_lineage(request: web.Request, corpus_id: str, lineage: str) -> str | None:
-    """The lineage the client follows (query wins over header), refused with 409 if it is not ours."""
+def check_lineage(request: web.Request, corpus_id: str, lineage: str) -> str | None:
+    """The lineage the client follows (``lineage=`` or ``X-Corpus-Lineage``), refused with 400 if the
+    two are given and disagree and with 409 if it is not ours; returns the parameter's value (to
+    echo in links), or None when it came only in the header (or not at all)."""
+    given: dict[str, str] = {}
     for source, raw in (("lineage", request.query.get("lineage")),
                         ("X-Corpus-Lineage", request.headers.get("X-Corpus-Lineage"))):
         if raw is None:
             continue
         try:
-            theirs = str(uuid.UUID(raw.strip()))
+            given[source] = str(uuid.UUID(raw.strip()))
         except ValueError:
             raise BadRequest(f"{source!r} must be a history lineage (a UUID).", code="invalid_parameter",
                              extra={"field": source},
                              how_to_proceed="Send the X-Corpus-Lineage value of the history you follow.") from None
+    if len(set(given.values())) > 1:
+        raise BadRequest("'lineage' and the X-Corpus-Lineage header name different histories.",
+                         code="invalid_parameter", extra={"field": "lineage"},
+                         how_to_proceed="Send the lineage once (parameter or header), or the same value in both.")
+    for source, theirs in given.items():
         if theirs != lineage:
             raise Conflict(
                 f"Your cursor belongs to history lineage {theirs}; this node serves lineage {lineage}. "
                 "Sequence numbers of different lineages are unrelated.",
-                code="lineage_mismatch", headers=_identity_headers(corpus_id, lineage),
+                code="lineage_mismatch", headers=identity_headers(corpus_id, lineage),
                 extra={"field": source, "lineage": lineage},
                 how_to_proceed=f"Discard your local copy and cursor, load GET {SNAPSHOT_PATH}, then follow "
                                f"{CHANGES_PATH}?after=<its X-Corpus-At>&lineage={lineage}.")
-        return theirs if source == "lineage" else None
-    return None
+    return given.get("lineage")
 
 
 def _accept_jsonl(request: web.Request) -> None:
@@ -206,11 +214,11 @@ _PAGE = ("select convert_to(event || E'\\n', 'UTF8') from changes"
 
 async def changes(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/changes.jsonl?after=&limit=&lineage=``: the change history, one envelope per line."""
-    corpus_id, lineage = _identity(request)
+    corpus_id, lineage = node_identity(request)
     q = Query(request.query, _CHANGES_PARAMS)
     after = q.integer("after", how_to_proceed=_PARAM_HELP["after"]) or 0
     limit = q.integer("limit", low=1, high=MAX_LIMIT, how_to_proceed=_PARAM_HELP["limit"]) or DEFAULT_LIMIT
-    echoed_lineage = _check_lineage(request, corpus_id, lineage)
+    echoed_lineage = check_lineage(request, corpus_id, lineage)
     _accept_jsonl(request)
     async with _Slot(request), connection(request.app[NODE].db) as conn, \
             conn.transaction(isolation="repeatable_read", readonly=True):
@@ -221,7 +229,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
         if echoed_lineage is not None:
             query["lineage"] = echoed_lineage
         headers = {
-            **_identity_headers(corpus_id, lineage),
+            **identity_headers(corpus_id, lineage),
             "X-Corpus-After": str(after), "X-Corpus-At": str(head), "X-Corpus-Next": str(next_after),
             "X-Corpus-Has-More": "true" if next_after < head else "false",
             "X-Corpus-Earliest": str(bounds["earliest"]),
@@ -311,13 +319,13 @@ async def _snapshot_chunks(sources: list[_Source]) -> AsyncIterator[bytes]:
 
 async def snapshot(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/snapshot.jsonl``: current state as resource lines, at boundary ``X-Corpus-At``."""
-    corpus_id, lineage = _identity(request)
+    corpus_id, lineage = node_identity(request)
     Query(request.query, ())
     _accept_jsonl(request)
     async with _Slot(request), connection(request.app[NODE].db) as conn, \
             conn.transaction(isolation="repeatable_read", readonly=True):
         at = await conn.fetchval(_SNAPSHOT_HEAD)  # the first statement fixes the transaction's snapshot
-        headers = {**_identity_headers(corpus_id, lineage), "X-Corpus-At": str(at),
+        headers = {**identity_headers(corpus_id, lineage), "X-Corpus-At": str(at),
                    "Link": f'<{CHANGES_PATH}?{urlencode({"after": at, "lineage": lineage})}>; rel="next"'}
         response = await _start(request, headers)
         if request.method == "HEAD":
@@ -353,7 +361,7 @@ async def corpus_info(request: web.Request) -> web.Response:
     browsers; any other ``Accept`` is 406.
     """
     media = choose(request, BROWSABLE_TYPES)
-    corpus_id, lineage = _identity(request)
+    corpus_id, lineage = node_identity(request)
     Query(request.query, ())
     # One statement sees one snapshot: the counts and the head agree with each other.
     row = await request.app[NODE].db.pool.fetchrow(_INFO)
@@ -363,7 +371,7 @@ async def corpus_info(request: web.Request) -> web.Response:
         "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
         "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
     }
-    identity = _identity_headers(corpus_id, lineage)
+    identity = identity_headers(corpus_id, lineage)
     return respond(request, Document("corpus", body, "Corpus", headers=identity,
                                      cache_control=identity["Cache-Control"]), media)
 

@@ -10,41 +10,64 @@ Frames: ``retry: 3000`` first; each change as ``id: <sequence>`` / ``event: <typ
 ``data: <envelope>``; one ``ready`` event (no id) when catch-up is done; a ``: heartbeat`` comment
 every ``TOASTMACHINE_STREAM_HEARTBEAT`` seconds (15); on a failure or when the client cannot keep up, one terminal ``stream-error`` event with
 fixed public text telling the client to resume from its last applied sequence, then the end.
-Filters: ``types`` (comma-separated event types), ``conversation`` (id), ``kinds`` (comma-separated
-message kinds, any of; applies to events that carry a message).
+Filters: ``types`` (comma-separated event types), ``conversation`` (id: its conversation and message
+events, and the relationship events whose source message is in it), ``kinds`` (comma-separated
+message kinds, any of; applies to events that carry a message). ``types`` and ``kinds`` are as strict
+as ``/messages?kinds=``: an empty, unknown or repeated value is a 400 naming the parameter.
+
+Refused before the stream starts: ``after`` (or ``Last-Event-ID``) beyond the current head (400: the
+sequence is not from this history, or the client computed it); a ``lineage`` (parameter or
+``X-Corpus-Lineage`` header, which must agree) that is not this node's (409, like the export).
+
+Bounded: catch-up reads the history in pages of at most :data:`CATCH_UP_ROWS` changes and
+:data:`CATCH_UP_BYTES` of event text, and reads the next page only once the previous one was handed
+to the socket (a client that stops reading stops the reads), so a stream holds a small constant
+whatever the history's length. A node serves at most ``TOASTMACHINE_STREAM_MAX`` streams, and one
+client address at most ``TOASTMACHINE_STREAM_MAX_PER_CLIENT``; beyond either, 503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
-from actors.history import Change, changes_after, head_sequence
+from actors.history import Change, bounded_page, conversation_of, head_sequence
 from actors.web.context import NODE
+from actors.web.export import check_lineage, identity_headers, node_identity
 from actors.web.hub import Item, NotificationHub, Subscription, sse_frame
 from infra.db.pool import Target
+from infra.http import request_client
 from infra.logs import get_logger
-from protocol.corpus import KINDS
+from infra.metrics import Metrics
 from protocol.errors import ServiceUnavailable
-from protocol.query import Query
-from protocol.representations import EVENT_TYPES
+from protocol.query import Query, invalid
+from protocol.representations import EVENT_TYPES, RELATIONSHIP_ASSERTED, RELATIONSHIP_RETRACTED
 
 log = get_logger("toastmachine.actors.web.stream")
 
 HUB: web.AppKey[NotificationHub] = web.AppKey("hub", NotificationHub)
+STREAM_SLOTS: web.AppKey[StreamSlots] = web.AppKey("stream_slots")
+LOOKUP: web.AppKey[ConversationLookup] = web.AppKey("conversation_lookup")
 #: Seconds one frame may take to reach a client before the client counts as stuck.
 WRITE_TIMEOUT = 10.0
 #: Most live changes one socket write carries when a stream has fallen behind.
 LIVE_BATCH = 256
 #: Times a stream restarts its catch-up because live events overflowed meanwhile.
 MAX_CATCH_UPS = 5
-_PARAMS = ("after", "types", "conversation", "kinds")
-#: A sequence on the wire: plain ASCII decimal digits (str.isdigit would let "²" through).
+#: Most changes, and most bytes of event text, one catch-up page holds (always at least one change).
+CATCH_UP_ROWS = 64
+CATCH_UP_BYTES = 64 * 1024
+#: Seconds a client refused by a stream cap is told to wait before it retries.
+RETRY_AFTER = 5
+_PARAMS = ("after", "types", "conversation", "kinds", "lineage")
+_RELATIONSHIP_EVENTS = frozenset({RELATIONSHIP_ASSERTED, RELATIONSHIP_RETRACTED})
 
 _RESUME = ("Keep the sequence of the last change you applied; reconnect with Last-Event-ID (or after=) set to "
            "it, or catch up through /corpus/changes.jsonl?after=<it> first.")
@@ -61,18 +84,23 @@ class _Filters:
     conversation: str | None
     kinds: frozenset[str] | None
 
-    def match(self, change: Change) -> bool:
+    def match(self, change: Change) -> bool | None:
+        """Whether ``change`` passes; None when only its conversation decides and the change
+        does not name it (a relationship event off the bus: see :class:`ConversationLookup`)."""
         if self.types is not None and change.type not in self.types:
             return False
         if self.conversation is None and self.kinds is None:
             return True
         data = orjson.loads(change.event)["data"]
-        if self.conversation is not None and _conversation_of(data) != self.conversation:
-            return False
         if self.kinds is not None:
             message = data.get("message")
             if message is None or not self.kinds.intersection(message.get("kinds", ())):
                 return False
+        if self.conversation is not None:
+            conversation = change.conversation_id or _conversation_of(data)
+            if conversation is None:
+                return None if change.type in _RELATIONSHIP_EVENTS else False
+            return conversation == self.conversation
         return True
 
 
@@ -81,25 +109,103 @@ def _conversation_of(data: dict) -> str | None:
         if key in data:
             value = data[key].get("conversation_id") or data[key].get("id")
             return str(value) if value is not None else None
-    return None  # relationships and retractions are matched by type, not by conversation
+    return None  # a relationship event names messages, not their conversation
 
 
-def _parse(request: web.Request) -> tuple[int | None, _Filters]:
+class ConversationLookup:
+    """The conversation of a relationship event that came off the bus, read from the history once
+    per change and node however many streams ask (their envelopes name messages, not conversations).
+
+    Remembers the last ``size`` answers; concurrent askers for the same change share one query.
+    """
+
+    def __init__(self, db: Target, size: int = 4096) -> None:
+        self._db = db
+        self._size = size
+        self._known: collections.OrderedDict[int, str | None] = collections.OrderedDict()
+        self._pending: dict[int, asyncio.Future[bool]] = {}
+
+    async def get(self, sequence: int) -> str | None:
+        """The conversation of the change at ``sequence``."""
+        while True:
+            if sequence in self._known:
+                return self._known[sequence]
+            pending = self._pending.get(sequence)
+            if pending is None:
+                break
+            await asyncio.shield(pending)  # True: answered (loop to read it); False: ask ourselves
+        done = self._pending[sequence] = asyncio.get_running_loop().create_future()
+        answered = False
+        try:
+            value = await conversation_of(self._db, sequence)
+            self._known[sequence] = value
+            if len(self._known) > self._size:
+                self._known.popitem(last=False)
+            answered = True
+            return value
+        finally:
+            del self._pending[sequence]
+            done.set_result(answered)
+
+
+class StreamSlots:
+    """The node's caps on concurrent streams: ``total`` in all, ``per_client`` per client address."""
+
+    def __init__(self, total: int, per_client: int, metrics: Metrics | None = None) -> None:
+        self.total = total
+        self.per_client = per_client
+        self._metrics = metrics
+        self._open = 0
+        self._by_client: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def hold(self, client: str) -> Iterator[None]:
+        """A slot for the block, or 503 (with Retry-After) when a cap is reached."""
+        if self._open >= self.total:
+            self._refuse("node", f"This node serves its maximum of {self.total} streams.")
+        if self._by_client[client] >= self.per_client:
+            self._refuse("client", f"This client address already has {self.per_client} open streams on this node.")
+        self._open += 1
+        self._by_client[client] += 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
+
+    def _refuse(self, cap: str, message: str) -> None:
+        if self._metrics is not None:
+            self._metrics.stream_refused.labels(cap).inc()
+        raise ServiceUnavailable(
+            message, code="too_many_streams", headers={"Retry-After": str(RETRY_AFTER)},
+            extra={"retry_after": RETRY_AFTER},
+            how_to_proceed=f"Close streams you no longer read, or retry after {RETRY_AFTER} seconds "
+                           "(Retry-After), resuming with Last-Event-ID; another node of this corpus may have room.")
+
+
+def _parse(request: web.Request) -> tuple[int | None, str, _Filters]:
+    """(resume position, the field it came from, the filters)."""
     q = Query(request.query, _PARAMS)
-    after = q.sequence("after")
+    after, field = q.sequence("after"), "after"
     if after is None and "Last-Event-ID" in request.headers:
-        after = Query({"Last-Event-ID": request.headers["Last-Event-ID"].strip()}, ("Last-Event-ID",)
-                      ).sequence("Last-Event-ID")
-    return after, _Filters(q.choices("types", EVENT_TYPES), q.uuid("conversation"), q.choices("kinds", KINDS))
+        field = "Last-Event-ID"
+        after = Query({field: request.headers[field].strip()}, (field,)).sequence(field)
+    types, kinds = q.members("types", EVENT_TYPES, "event type"), q.kinds()
+    return after, field, _Filters(None if types is None else frozenset(types), q.uuid("conversation"),
+                                  None if kinds is None else frozenset(kinds))
 
 
 class _Stream:
     """One client's stream: sends each sequence above ``last`` once, in order."""
 
-    def __init__(self, response: web.StreamResponse, filters: _Filters, last: int) -> None:
+    def __init__(self, response: web.StreamResponse, filters: _Filters, last: int,
+                 lookup: ConversationLookup) -> None:
         self.response = response
         self.filters = filters
         self.last = last
+        self.lookup = lookup
         #: The hub subscription, once there is one: its watchdog bounds how long a write may block.
         self.sub: Subscription | None = None
 
@@ -131,7 +237,10 @@ class _Stream:
             if change.sequence <= self.last:
                 continue
             self.last = change.sequence
-            if self.filters.match(change):
+            verdict = self.filters.match(change)
+            if verdict is None:
+                verdict = await self.lookup.get(change.sequence) == self.filters.conversation
+            if verdict:
                 out.append(frame)
         if out:
             await self.write(b"".join(out))
@@ -150,17 +259,32 @@ class _Stream:
 async def stream(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/stream``."""
     node = request.app[NODE]
-    if node.identity_error is not None:
-        raise ServiceUnavailable("This node's corpus identity does not match its database.",
-                                 code="lineage_unavailable",
-                                 how_to_proceed="Follow another node, or retry once the operator fixed it.")
-    after, filters = _parse(request)
+    corpus_id, lineage = node_identity(request)
+    after, field, filters = _parse(request)
+    check_lineage(request, corpus_id, lineage)
+    # The per-client cap counts the resolved client (forwarding headers only from trusted proxies),
+    # so clients behind one load balancer are not lumped together as its address.
+    client = request_client(request)
+    with request.app[STREAM_SLOTS].hold(str(client) if client is not None else "unknown"):
+        if after is not None:
+            head = await head_sequence(node.db)
+            if after > head:
+                raise invalid(field, f"{field} {after} is beyond the head of this history ({head}).",
+                              "Resume from the sequence of the last change you received from this corpus "
+                              "(never more than the head, see GET /corpus), or omit after to start at the head.")
+        return await _serve(request, after, filters, corpus_id, lineage)
+
+
+async def _serve(request: web.Request, after: int | None, filters: _Filters, corpus_id: str,
+                 lineage: str) -> web.StreamResponse:
+    node = request.app[NODE]
     hub = request.app[HUB]
     response = web.StreamResponse(headers={
+        **identity_headers(corpus_id, lineage),
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no", "Connection": "keep-alive"})
     await response.prepare(request)
-    out = _Stream(response, filters, after if after is not None else 0)
+    out = _Stream(response, filters, after if after is not None else 0, request.app[LOOKUP])
     try:
         await out.send("retry: 3000\n\n")
         for _ in range(MAX_CATCH_UPS):
@@ -169,7 +293,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
                 sub.on_stuck = functools.partial(_abort, request)
                 if after is None:
                     out.last = after = await head_sequence(node.db)
-                await _catch_up(node.db, out)
+                await _catch_up(node.db, out, node.metrics)
                 if sub.overflowed:
                     continue  # too much arrived meanwhile: catch up again from the history
                 await out.send(f"event: ready\ndata: {orjson.dumps({'sequence': out.last}).decode()}\n\n")
@@ -191,13 +315,17 @@ async def stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _catch_up(db: Target, out: _Stream) -> None:
+async def _catch_up(db: Target, out: _Stream, metrics: Metrics) -> None:
+    # One bounded page at a time, and the next one only after this one was written: the write
+    # waits for the socket to drain once the transport holds more than aiohttp's 64 KiB, so a
+    # client that stops reading stops the reads (and its stream is cut off by the hub's watchdog).
     while True:
-        page = await changes_after(db, out.last)
+        page = await bounded_page(db, out.last, max_rows=CATCH_UP_ROWS, max_bytes=CATCH_UP_BYTES)
+        metrics.stream_pages.inc()
+        metrics.stream_rows.inc(len(page))
         if not page:
             return
-        for start in range(0, len(page), LIVE_BATCH):
-            await out.changes([(c, sse_frame(c)) for c in page[start:start + LIVE_BATCH]])
+        await out.changes([(c, sse_frame(c)) for c in page])
 
 
 async def _live(sub: Subscription, out: _Stream) -> None:
@@ -230,6 +358,9 @@ async def _end_streams(app: web.Application) -> None:
 def add_routes(app: web.Application) -> None:
     """The stream route, with this node's hub started and stopped with the app."""
     node = app[NODE]
+    settings = node.settings
+    app[STREAM_SLOTS] = StreamSlots(settings.stream_max, settings.stream_max_per_client, node.metrics)
+    app[LOOKUP] = ConversationLookup(node.db)
     app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id,
                                scope=node.identity.scope if node.identity is not None else None,
                                heartbeat=node.settings.stream_heartbeat)

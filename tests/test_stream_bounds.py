@@ -1,0 +1,197 @@
+"""``GET /corpus/stream`` hardening: bounded catch-up, stream caps, strict resume points and lineage,
+and the conversation filter over relationship events (live and in catch-up).
+
+Runs on the write-path stack (tests/corpus_fixtures.py), on both backend pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.corpus_fixtures import Stack, publishing
+from tests.sse import Frame, frames
+
+
+async def _metric(stack: Stack, name: str) -> float:
+    text = await (await stack.client.get("/metrics")).text()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+async def _until(predicate: Any, timeout: float = 30) -> None:
+    """Wait until ``predicate()`` holds (checked every 20 ms, failing after ``timeout``)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def _ready(resp: aiohttp.ClientResponse, timeout: float = 30) -> list[Frame]:
+    got: list[Frame] = []
+    async with asyncio.timeout(timeout):
+        async for frame in frames(resp):
+            got.append(frame)
+            if frame.event == "ready":
+                return got
+    raise AssertionError(f"no ready: {[f.event for f in got]}")
+
+
+def _open(stack: Stack, query: str = "", headers: dict[str, str] | None = None) -> Any:
+    return stack.client.get("/corpus/stream" + query, headers=headers or {},
+                            timeout=aiohttp.ClientTimeout(total=None))
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.3")
+async def test_catch_up_stops_reading_the_history_when_the_client_stops_reading(stack: Stack) -> None:
+    """A non-reading client on a long history: the server reads a few bounded pages, fills the
+    socket, blocks, and is cut off by the watchdog; it never reads the history ahead of the socket."""
+    from actors.web.stream import HUB
+
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    big = "y" * 30_000
+    history = 400
+    for start in range(0, history, 25):
+        await asyncio.gather(*(stack.message(alice, cid, content=big) for _ in range(min(25, history - start))))
+    hub = stack.client.app[HUB]
+    before = await _metric(stack, "toastmachine_stream_catchup_rows_total")
+    host, port = stack.client.server.host, stack.client.server.port
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window; we never read it
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        await asyncio.get_running_loop().sock_sendall(
+            sock, b"GET /corpus/stream?after=0 HTTP/1.1\r\nHost: node\r\n\r\n")
+        await _until(lambda: hub.subscribers == 1)
+        await _until(lambda: hub.subscribers == 0)  # stuck in a write: the watchdog cut it off
+    read = await _metric(stack, "toastmachine_stream_catchup_rows_total") - before
+    assert 0 < read < history / 2, f"{read} of {history} rows read for a client that read nothing"
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_MAX="2", TOASTMACHINE_STREAM_MAX_PER_CLIENT="10",
+                       TOASTMACHINE_STREAM_HEARTBEAT="0.1")
+async def test_the_node_cap_on_streams_answers_503_with_retry_after(stack: Stack) -> None:
+    async with publishing(stack):
+        open_ = [await _open(stack) for _ in range(2)]
+        for resp in open_:
+            assert resp.status == 200
+            await _ready(resp)
+        refused = await _open(stack)
+        body = await refused.json()
+        assert refused.status == 503 and refused.headers["Retry-After"] == "5"
+        assert body["error"]["code"] == "too_many_streams" and body["error"]["retry_after"] == 5
+        assert "Retry-After" in body["error"]["how_to_proceed"]
+        open_[0].close()  # its slot is free once the server notices (at the next heartbeat at the latest)
+        async with asyncio.timeout(30):
+            while (again := await _open(stack)).status == 503:
+                again.close()
+                await asyncio.sleep(0.05)
+        assert again.status == 200
+        again.close()
+        open_[1].close()
+    assert 'toastmachine_stream_refused_total{cap="node"}' in await (await stack.client.get("/metrics")).text()
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_MAX_PER_CLIENT="1")
+async def test_the_per_client_cap_on_streams_answers_503_with_retry_after(stack: Stack) -> None:
+    async with publishing(stack):
+        first = await _open(stack)
+        await _ready(first)
+        second = await _open(stack)
+        assert second.status == 503 and second.headers["Retry-After"] == "5"
+        assert (await second.json())["error"]["code"] == "too_many_streams"
+        first.close()
+
+
+async def test_after_beyond_the_head_is_refused_with_guidance(stack: Stack) -> None:
+    alice = await stack.register()
+    await stack.conversation(alice)
+    head = (await (await stack.client.get("/corpus")).json())["head_sequence"]
+    resp = await _open(stack, f"?after={head + 1}")
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["field"] == "after"
+    assert "GET /corpus" in body["error"]["how_to_proceed"] and "omit after" in body["error"]["how_to_proceed"]
+    async with publishing(stack):
+        at_head = await _open(stack, f"?after={head}")
+        assert at_head.status == 200
+        await _ready(at_head)
+        at_head.close()
+
+
+@pytest.mark.parametrize("route", ["/corpus/stream", "/corpus/changes.jsonl"])
+async def test_lineage_is_checked_and_parameter_and_header_must_agree(stack: Stack, route: str) -> None:
+    ours, other = str(stack.identity.lineage), str(uuid.uuid4())
+    timeout = aiohttp.ClientTimeout(total=None)
+
+    async def status(query: str, header: str | None = None) -> tuple[int, dict[str, Any]]:
+        headers = {"X-Corpus-Lineage": header} if header else {}
+        resp = await stack.client.get(route + query, headers=headers, timeout=timeout)
+        try:
+            if resp.status == 200:
+                return 200, {}
+            return resp.status, (await resp.json())["error"]
+        finally:
+            resp.close()
+
+    async with publishing(stack):
+        assert (await status(f"?lineage={ours}"))[0] == 200
+        assert (await status("", ours))[0] == 200
+        assert (await status(f"?lineage={ours}", ours))[0] == 200
+        code, error = await status(f"?lineage={other}")
+        assert (code, error["code"]) == (409, "lineage_mismatch")
+        code, error = await status("", other)
+        assert (code, error["code"]) == (409, "lineage_mismatch")
+        code, error = await status(f"?lineage={ours}", other)
+        assert (code, error["code"], error["field"]) == (400, "invalid_parameter", "lineage")
+
+
+async def test_the_conversation_filter_includes_its_relationship_events(stack: Stack) -> None:
+    alice = await stack.register()
+    one = await stack.conversation(alice, "one")
+    two = await stack.conversation(alice, "two")
+    one_id, in_one, in_two = one["conversation"]["id"], one["message"]["id"], two["message"]["id"]
+
+    async def relate(source: str, target: str, type_: str = "extends") -> str:
+        reply = await stack.post(alice, "/relationships", {"type": type_, "source_message_id": source,
+                                                           "target_message_id": target})
+        assert reply.status == 201, reply.body
+        return str(reply.body["relationship"]["id"])
+
+    from_one = await relate(in_one, in_two)       # source in "one": in the filter
+    await relate(in_two, in_one)                  # source in "two": not, though its target is in "one"
+    async with publishing(stack):
+        resp = await _open(stack, f"?after=0&conversation={one_id}")
+        reader = frames(resp)
+        caught_up: list[Frame] = []
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.event == "ready":
+                    break
+                if frame.id is not None:
+                    caught_up.append(frame)
+        assert [f.event for f in caught_up] == ["conversation.created", "relationship.asserted"]
+        assert caught_up[-1].json()["data"]["relationship"]["id"] == from_one
+        # Live: a new relationship from "one", one from "two", the retraction of the first, a message.
+        live_rel = await relate(in_one, in_two, "supports")
+        await relate(in_two, in_one, "supports")
+        retracted = await stack.post(alice, f"/relationships/{from_one}/retractions", {})
+        assert retracted.status == 201, retracted.body
+        last = await stack.message(alice, one_id, content="the end")
+        live: list[Frame] = []
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.id is not None:
+                    live.append(frame)
+                    if frame.event == "message.appended":
+                        break
+        resp.close()
+    assert [f.event for f in live] == ["relationship.asserted", "relationship.retracted", "message.appended"]
+    assert live[0].json()["data"]["relationship"]["id"] == live_rel
+    assert live[1].json()["data"]["retraction"]["relationship_id"] == from_one
+    assert live[2].json()["data"]["message"]["id"] == last["message"]["id"]
