@@ -85,20 +85,21 @@ async def write_all(session: aiohttp.ClientSession, base: str, agent: Agent, lab
     return list(await asyncio.gather(*(one(i) for i in range(WRITES))))
 
 
-async def subjects(database_url: str) -> list[str]:
+async def column(database_url: str, sql: str) -> list[Any]:
+    """The first column of ``sql``'s rows in the database at ``database_url``."""
     conn = await asyncpg.connect(database_url)
     try:
-        return [r["subject"] for r in await conn.fetch("select subject from conversations order by subject")]
+        return [r[0] for r in await conn.fetch(sql)]
     finally:
         await conn.close()
+
+
+async def subjects(database_url: str) -> list[str]:
+    return await column(database_url, "select subject from conversations order by subject")
 
 
 async def sequences(database_url: str) -> list[int]:
-    conn = await asyncpg.connect(database_url)
-    try:
-        return [r["sequence"] for r in await conn.fetch("select sequence from changes order by sequence")]
-    finally:
-        await conn.close()
+    return await column(database_url, "select sequence from changes order by sequence")
 
 
 @pytest.mark.rabbitmq

@@ -170,26 +170,34 @@ async def test_undecodable_command_is_answered_at_once_and_dead_lettered(bus: Bu
         await writer.stop(grace=2)
 
 
-async def test_write_failing_validation_past_the_edge_is_answered_and_dead_lettered(bus: Bus, db: Database) -> None:
+async def _refused_and_dead_lettered(bus: Bus, db: Database, command: WriteCommand) -> tuple[ErrorReply, str]:
+    """Send ``command`` straight to a writer of the database's corpus (as a forged or outdated sender
+    would); return the writer's error reply and the reason of the dead letter it left, and check
+    that nothing was written."""
     identity = await ensure_identity(db, None, None)
     seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand),
                                       queue=writer_queue(identity.scope).name)
     writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
     await writer.start()
     try:
-        forged = WriteCommand(operation="conversation.create", target=None, body={"subject": "", "content": "x"},
-                              author_id=str(uuid.uuid4()), author_name="nobody", token="t-1")
-        reply = await ask(bus, forged, timeout=60, scope=identity.scope, operation=forged.operation)
-        assert isinstance(reply.message, ErrorReply)
-        assert (reply.message.status, reply.message.code) == (422, "validation_failed")
-        assert reply.message.extra == {"field": "subject"}
+        reply = await ask(bus, command, timeout=60, scope=identity.scope, operation=command.operation)
+        assert isinstance(reply.message, ErrorReply), reply.message
         async with asyncio.timeout(10):
-            d = await seen
-        assert "failed validation past the edge" in str(d.headers[DEAD_REASON_HEADER])
+            dead = await seen
         assert await db.pool.fetchval("select count(*) from changes") == 0
+        return reply.message, str(dead.headers[DEAD_REASON_HEADER])
     finally:
         await writer.stop(grace=2)
         await watcher.drain(1)
+
+
+async def test_write_failing_validation_past_the_edge_is_answered_and_dead_lettered(bus: Bus, db: Database) -> None:
+    forged = WriteCommand(operation="conversation.create", target=None, body={"subject": "", "content": "x"},
+                          author_id=str(uuid.uuid4()), author_name="nobody", token="t-1")
+    reply, reason = await _refused_and_dead_lettered(bus, db, forged)
+    assert (reply.status, reply.code) == (422, "validation_failed")
+    assert reply.extra == {"field": "subject"}
+    assert "failed validation past the edge" in reason
 
 
 async def test_group_commit_applies_a_burst_in_one_transaction(bus: Bus, db: Database) -> None:
@@ -291,24 +299,10 @@ async def test_the_writer_unbinds_the_single_corpus_queue(bus: Bus) -> None:
 
 async def test_a_command_the_store_cannot_apply_is_never_a_500(bus: Bus, db: Database) -> None:
     """A command of this corpus that the store fails on (here: an author this database does not
-    know, as a command of another corpus would be) is refused with a 4xx or 503, never 500, and
-    writes nothing; a 503 ``write_not_applied`` command is kept in the dead letters with the reason."""
-    identity = await ensure_identity(db, None, None)
-    seen, watcher = await _watch_dead(bus, lambda d: isinstance(d.message, WriteCommand),
-                                      queue=writer_queue(identity.scope).name)
-    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
-    await writer.start()
-    try:
-        stranger = WriteCommand(operation="conversation.create", target=None, body={"subject": "s", "content": "c"},
-                                author_id=str(uuid.uuid4()), author_name="stranger", token="t-unknown-author")
-        reply = await ask(bus, stranger, timeout=30, scope=identity.scope, operation=stranger.operation)
-        assert isinstance(reply.message, ErrorReply)
-        assert reply.message.status == 503 or 400 <= reply.message.status < 500, reply.message
-        assert await db.pool.fetchval("select count(*) from changes") == 0
-        if reply.message.code == "write_not_applied":
-            async with asyncio.timeout(10):
-                d = await seen
-            assert "the writer failed on it" in str(d.headers[DEAD_REASON_HEADER])
-    finally:
-        await writer.stop(grace=2)
-        await watcher.drain(1)
+    know, as a command of another corpus would be) is refused with 503 ``write_not_applied``, never
+    500, writes nothing, and is kept in the dead letters with the reason."""
+    stranger = WriteCommand(operation="conversation.create", target=None, body={"subject": "s", "content": "c"},
+                            author_id=str(uuid.uuid4()), author_name="stranger", token="t-unknown-author")
+    reply, reason = await _refused_and_dead_lettered(bus, db, stranger)
+    assert (reply.status, reply.code) == (503, "write_not_applied"), reply
+    assert "the writer failed on it" in reason
