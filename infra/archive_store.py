@@ -179,9 +179,9 @@ class ArchiveStore:
             # One request, never multipart: conditional create applies to a single PUT everywhere.
             await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
             return PutOutcome.CREATED
-        except (AlreadyExistsError, PreconditionError):
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
             pass
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("put", key, e) from e
         try:
             stored = await self.get(key, max_bytes=len(data))
@@ -200,7 +200,7 @@ class ArchiveStore:
         _check_key(key)
         try:
             await obstore.put_async(self._store, key, data, mode="overwrite", use_multipart=False)
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("replace", key, e) from e
 
     async def get(self, key: str, *, max_bytes: int = MAX_SEGMENT_BYTES) -> bytes:
@@ -212,9 +212,9 @@ class ArchiveStore:
             if size > max_bytes:
                 raise ObjectTooLarge(f"{key} is {size} bytes, more than {max_bytes}")
             data = bytes(await result.bytes_async())
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             raise ObjectNotFound(f"archive store ({self.description}): no object {key}") from None
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("get", key, e) from e
         if len(data) != size:
             raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")
@@ -225,9 +225,9 @@ class ArchiveStore:
         _check_key(key)
         try:
             meta = await obstore.head_async(self._store, key)
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):
             return None
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("head", key, e) from e
         return ObjectInfo(str(meta["path"]), int(meta["size"]), meta.get("e_tag"))
 
@@ -242,7 +242,7 @@ class ArchiveStore:
             async for chunk in obstore.list(self._store, prefix or None, chunk_size=500):
                 for meta in chunk:
                     yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta.get("e_tag"))
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("list", prefix or "(all)", e) from e
 
     async def probe_create_only(self) -> None:
@@ -254,13 +254,13 @@ class ArchiveStore:
         first, second = b"create-only probe: first\n", b"create-only probe: second\n"
         try:
             await obstore.put_async(self._store, key, first, mode="create", use_multipart=False)
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("probe put", key, e) from e
         try:
             await obstore.put_async(self._store, key, second, mode="create", use_multipart=False)
-        except (AlreadyExistsError, PreconditionError):
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
             return
-        except BaseError as e:
+        except (BaseError, OSError) as e:
             raise self._failed("probe put", key, e) from e
         raise CreateOnlyIgnored(f"archive store ({self.description}) overwrote {key} on a create-only put; "
                                 "it cannot hold a write-once archive")
