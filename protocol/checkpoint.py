@@ -149,7 +149,8 @@ def generate_signer_key(name: str) -> SignerKey:
 
 def parse_signer_key(text: str) -> SignerKey:
     """Read a signer key from its text; MalformedKey (without echoing the text) when it is not one."""
-    parts = text.strip().split("+")
+    # The base64 part may itself contain '+'; the name may not, so split only four times.
+    parts = text.strip().split("+", 4)
     if len(parts) != 5 or parts[0] != "PRIVATE" or parts[1] != "KEY":
         raise MalformedKey("a signer key reads PRIVATE+KEY+<name>+<key id>+<key>")
     name, id_hex, encoded = parts[2], parts[3], parts[4]
@@ -165,7 +166,7 @@ def parse_signer_key(text: str) -> SignerKey:
 
 def parse_verifier_key(text: str) -> VerifierKey:
     """Read a verifier key ``<name>+<id hex>+<base64>``; MalformedKey when it is not one."""
-    parts = text.strip().split("+")
+    parts = text.strip().split("+", 2)
     if len(parts) != 3:
         raise MalformedKey("a verifier key reads <name>+<key id>+<key>")
     name, id_hex, encoded = parts
