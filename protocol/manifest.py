@@ -20,8 +20,15 @@ from typing import Any
 
 import orjson
 
-from protocol.archive import (FORMAT_VERSION, FRAME_OVERHEAD, HEADER_SIZE, MAX_INDEX, MAX_SEQUENCE, TRAILER_SIZE,
-                              DecodedSegment)
+from protocol.archive import (
+    FORMAT_VERSION,
+    FRAME_OVERHEAD,
+    HEADER_SIZE,
+    MAX_INDEX,
+    MAX_SEQUENCE,
+    TRAILER_SIZE,
+    DecodedSegment,
+)
 from protocol.errors import ToastMachineError
 
 #: A manifest larger than this is refused before parsing (about 300,000 segments).

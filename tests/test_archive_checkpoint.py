@@ -16,8 +16,14 @@ from hypothesis import strategies as st
 
 from protocol import checkpoint as cp
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment
-from protocol.manifest import (Manifest, ManifestError, ManifestSegment, decode_manifest, encode_manifest,
-                               manifest_of)
+from protocol.manifest import (
+    Manifest,
+    ManifestError,
+    ManifestSegment,
+    decode_manifest,
+    encode_manifest,
+    manifest_of,
+)
 
 LINEAGE = uuid.UUID("0b8f3a52-7c1d-4e6f-9a2b-3c4d5e6f7a8b")
 PARENT = uuid.UUID("1c9a4b63-8d2e-4f70-ab3c-4d5e6f7a8b9c")

@@ -12,8 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import archive as fmt
-from protocol.archive import (GENESIS_HASH, ArchivedEvent, ArchiveFormatError, Stream, decode_segment,
-                              encode_segment, event_body, parse_segment_key, segment_key)
+from protocol.archive import (
+    GENESIS_HASH,
+    ArchivedEvent,
+    ArchiveFormatError,
+    Stream,
+    decode_segment,
+    encode_segment,
+    event_body,
+    parse_segment_key,
+    segment_key,
+)
 from protocol.merkle import CompactTree, leaf_hash, tree_root
 
 LINEAGE = uuid.UUID("3f1e2d4c-5b6a-4978-8899-aabbccddeeff")

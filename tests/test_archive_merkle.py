@@ -9,8 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.merkle import (EMPTY_ROOT, CompactTree, MerkleError, consistency_proof, inclusion_proof, leaf_hash,
-                             tree_root, verify_consistency, verify_inclusion)
+from protocol.merkle import (
+    EMPTY_ROOT,
+    CompactTree,
+    MerkleError,
+    consistency_proof,
+    inclusion_proof,
+    leaf_hash,
+    tree_root,
+    verify_consistency,
+    verify_inclusion,
+)
 
 
 def _h(b: bytes) -> bytes:

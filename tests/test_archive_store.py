@@ -13,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from infra.archive_store import (ArchiveStore, ArchiveStoreError, ForkAlarm, ObjectNotFound, ObjectTooLarge,
-                                 PutOutcome)
+from infra.archive_store import (
+    ArchiveStore,
+    ArchiveStoreError,
+    ForkAlarm,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PutOutcome,
+)
 from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
 from protocol.errors import ConfigError
