@@ -17,6 +17,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from infra.client_address import TrustedProxies
+from protocol.checkpoint import CheckpointError, parse_signer_key
 from protocol.errors import ConfigError
 
 PREFIX = "TOASTMACHINE_"
@@ -54,6 +55,9 @@ class Settings:
     archive_s3_access_key_id: str | None = None
     #: S3 secret access key; never printed (``redacted()`` masks it).
     archive_s3_secret_access_key: str | None = None
+    #: The checkpoint signer key (``PRIVATE+KEY+...`` text); None means the file
+    #: ``data_dir/archive-signing-key``, generated on first use. Never printed.
+    archive_signing_key: str | None = None
     #: "console" (human) or "json" (production).
     log_format: str = "console"
     #: Root log level.
@@ -121,6 +125,7 @@ class Settings:
             archive_s3_region=get("ARCHIVE_S3_REGION", lambda _v, raw: raw, None),
             archive_s3_access_key_id=get("ARCHIVE_S3_ACCESS_KEY_ID", lambda _v, raw: raw, None),
             archive_s3_secret_access_key=get("ARCHIVE_S3_SECRET_ACCESS_KEY", lambda _v, raw: raw, None),
+            archive_signing_key=get("ARCHIVE_SIGNING_KEY", _signer_key, None),
             log_format=get("LOG_FORMAT", _choice("console", "json"), d.log_format),
             log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
             register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),
@@ -151,7 +156,7 @@ class Settings:
 
 
 # Fields whose value is a secret: masked whole by redacted().
-_SECRETS = {"archive_s3_secret_access_key"}
+_SECRETS = {"archive_s3_secret_access_key", "archive_signing_key"}
 
 # Variables with our prefix that are read by the test suite or CI, not by a node.
 _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_TEST_CHROMIUM",
@@ -177,6 +182,15 @@ def _url(*schemes: str) -> Callable[[str, str], str]:
             raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
         return raw
     return parse
+
+
+def _signer_key(var: str, raw: str) -> str:
+    try:
+        parse_signer_key(raw)
+    except CheckpointError as e:
+        # The message describes the shape only; the value is a secret and is never echoed.
+        raise ConfigError(f"{var} is not a signer key: {e}") from None
+    return raw
 
 
 def _archive_url(var: str, raw: str) -> str:
