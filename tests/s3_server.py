@@ -97,11 +97,17 @@ def seaweedfs(workdir: Path, *, startup_timeout: float = 90) -> Iterator[S3Serve
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            # Its data is throw-away: a short grace, then SIGKILL (weed can take 30 s to stop on its own).
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+        # weed also listens on Unix sockets named after its ports in /tmp and does not always remove
+        # them on exit; they are ours (our ports), so tidy them.
+        for port in ports.values():
+            for stale in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                stale.unlink(missing_ok=True)
 
 
 async def _wait_ready(proc: subprocess.Popen[bytes], server: S3Server, timeout: float, log: Path) -> None:

@@ -7,6 +7,7 @@ create-only probe, and configuration (URL forms, credentials that the server ref
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,10 +21,12 @@ from infra.archive_store import (
     ObjectNotFound,
     ObjectTooLarge,
     PutOutcome,
+    S3Options,
 )
 from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
 from protocol.errors import ConfigError
+from tests.procs import free_port
 from tests.s3_server import S3Server, seaweedfs
 
 
@@ -159,3 +162,18 @@ def test_bad_archive_urls_are_refused_at_start(url: str) -> None:
         Settings.from_env({"TOASTMACHINE_ARCHIVE_URL": url})
     assert "TOASTMACHINE_ARCHIVE_URL" in str(caught.value)
     assert "pw" not in str(caught.value)
+
+
+async def test_an_unreachable_store_fails_with_a_typed_error(s3_server: S3Server) -> None:
+    """Nothing listens on the endpoint: every operation raises ArchiveStoreError (the archiver backs
+    off on it), never a fork alarm and never a hang inside the client's retries."""
+    dead = ArchiveStore.s3(s3_server.bucket, "dead", S3Options(f"http://127.0.0.1:{free_port()}", "us-east-1",
+                                                                s3_server.access_key_id, s3_server.secret_access_key))
+    async with asyncio.timeout(120):
+        for op in (dead.put("k/v", b"x"), dead.get("k/v"), dead.head("k/v"), dead.probe_create_only()):
+            with pytest.raises(ArchiveStoreError) as caught:
+                await op
+            assert not isinstance(caught.value, ForkAlarm | ObjectNotFound)
+            assert s3_server.secret_access_key not in str(caught.value)
+        with pytest.raises(ArchiveStoreError):
+            [o async for o in dead.list("k")]
