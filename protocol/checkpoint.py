@@ -25,6 +25,7 @@ import base64
 import binascii
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
 from protocol.errors import ToastMachineError
+from protocol.merkle import verify_consistency
 
 #: Signature type byte of Ed25519 in key ids and key encodings.
 ALG_ED25519 = 0x01
@@ -306,3 +308,20 @@ def verify_checkpoint(note: str | bytes, verifier: VerifierKey, *, origin: str |
     if checkpoint.origin != expected:
         raise OriginMismatch(f"the checkpoint's origin is {checkpoint.origin!r}, expected {expected!r}")
     return checkpoint
+
+
+class NotAnExtension(CheckpointError):
+    """A newer checkpoint does not extend an older one: the history was rewritten (or forked)."""
+
+    kind = "does_not_extend"
+
+
+def check_extends(older: Checkpoint, newer: Checkpoint, proof: Sequence[bytes]) -> None:
+    """Raise NotAnExtension unless ``newer``'s tree has ``older``'s as its prefix, as shown by the
+    RFC 9162 consistency ``proof`` from older.size to newer.size (how a mirror accepts a new one)."""
+    if older.origin != newer.origin:
+        raise NotAnExtension(f"checkpoints of different logs ({older.origin!r}, {newer.origin!r})")
+    if newer.size < older.size:
+        raise NotAnExtension(f"tree size went down from {older.size} to {newer.size}")
+    if not verify_consistency(older.size, newer.size, older.root, newer.root, proof):
+        raise NotAnExtension(f"the tree of size {newer.size} does not extend the tree of size {older.size}")

@@ -205,3 +205,23 @@ def test_key_names_follow_the_spec() -> None:
     for bad in ["", "a b", "a+b", "tab\tname"]:
         with pytest.raises(cp.MalformedKey):
             cp.generate_signer_key(bad)
+
+
+def test_a_newer_checkpoint_must_extend_the_older_one() -> None:
+    from protocol.merkle import consistency_proof, leaf_hash, tree_root
+
+    leaves = [leaf_hash(b"event %d" % i) for i in range(23)]
+    key = cp.generate_signer_key(ORIGIN)
+    older = cp.verify_checkpoint(cp.sign_checkpoint(cp.Checkpoint(ORIGIN, 9, tree_root(leaves[:9])), key),
+                                 key.verifier())
+    newer = cp.Checkpoint(ORIGIN, 23, tree_root(leaves))
+    cp.check_extends(older, newer, consistency_proof(leaves, 9))
+    # A history rewritten below the old size, signed by the same key: its proof cannot tie it to the old root.
+    rewritten = leaves[:4] + [leaf_hash(b"edited")] + leaves[5:]
+    forged = cp.Checkpoint(ORIGIN, 23, tree_root(rewritten))
+    with pytest.raises(cp.NotAnExtension):
+        cp.check_extends(older, forged, consistency_proof(rewritten, 9))
+    with pytest.raises(cp.NotAnExtension):
+        cp.check_extends(newer, older, [])
+    with pytest.raises(cp.NotAnExtension):
+        cp.check_extends(older, cp.Checkpoint("other.example.test", 23, newer.root), consistency_proof(leaves, 9))
