@@ -134,3 +134,10 @@ def _tail(log: Path) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(log.read_text(errors="replace").splitlines()[-20:])
     return "(no log)"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS for the whole run; each test works under a prefix of its own."""
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,13 +27,7 @@ from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
 from protocol.errors import ConfigError
 from tests.procs import free_port
-from tests.s3_server import S3Server, seaweedfs
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
-        yield server
+from tests.s3_server import S3Server
 
 
 @pytest.fixture(params=["directory", "seaweedfs"])
