@@ -225,3 +225,29 @@ def test_a_newer_checkpoint_must_extend_the_older_one() -> None:
         cp.check_extends(newer, older, [])
     with pytest.raises(cp.NotAnExtension):
         cp.check_extends(older, cp.Checkpoint("other.example.test", 23, newer.root), consistency_proof(leaves, 9))
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=10),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                      max_size=4), max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(json_values, st.fixed_dictionaries({
+    "format_version": json_values, "lineage": json_values, "parent_lineage": json_values,
+    "segments": st.lists(json_values, max_size=3)})))
+def test_arbitrary_json_is_refused_only_with_manifest_error(value: object) -> None:
+    try:
+        decode_manifest(orjson.dumps(value))
+    except ManifestError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_arbitrary_text_is_refused_only_with_checkpoint_error(text: str) -> None:
+    key = cp.generate_signer_key(ORIGIN)
+    with pytest.raises(cp.CheckpointError):
+        cp.verify_checkpoint(text, key.verifier())
+    with pytest.raises(cp.CheckpointError):
+        cp.verify_checkpoint(text.encode("utf-8", "surrogatepass"), key.verifier())

@@ -233,3 +233,34 @@ def test_keys_are_zero_padded_sortable_and_parse_back() -> None:
                 "orphan.bin", f"{LINEAGE}/segments/0000000007-0000000000000000099-0000000000000000012"]:
         assert parse_segment_key(bad) is None
     assert fmt.checkpoint_key(LINEAGE, 42) == f"{LINEAGE}/checkpoints/0000000000000000042"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_damage_raises_only_a_typed_format_error(draw: st.DataObject) -> None:
+    """Random edits (overwrite, insert, delete, cut) never crash the decoder with anything but an
+    ArchiveFormatError, and never pass."""
+    _, data = _sample(4)
+    broken = bytearray(data)
+    for _ in range(draw.draw(st.integers(1, 4))):
+        op = draw.draw(st.sampled_from(["overwrite", "insert", "delete", "cut"]))
+        at = draw.draw(st.integers(0, max(0, len(broken) - 1)))
+        if op == "overwrite" and broken:
+            broken[at] = draw.draw(st.integers(0, 255).filter(lambda b, at=at: b != broken[at]))
+        elif op == "insert":
+            broken[at:at] = draw.draw(st.binary(min_size=1, max_size=20))
+        elif op == "delete" and broken:
+            del broken[at:at + draw.draw(st.integers(1, 20))]
+        else:
+            del broken[at:]
+    if bytes(broken) == data:
+        return
+    with pytest.raises(ArchiveFormatError):
+        decode_segment(bytes(broken))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_are_refused_cleanly(data: bytes) -> None:
+    with pytest.raises(ArchiveFormatError):
+        decode_segment(fmt.MAGIC + data)
