@@ -7,9 +7,8 @@ local directory and any S3-compatible server take the same code path:
   that directory; ``s3://bucket[/prefix]``: that bucket, with endpoint, region and credentials from
   ``TOASTMACHINE_ARCHIVE_S3_*`` (else obstore's defaults, i.e. the ``AWS_*`` environment).
 - :meth:`ArchiveStore.put` is create-only (S3 ``If-None-Match: *``; obstore's exclusive create on a
-  directory). When
-  the key exists, the stored bytes are fetched and compared: identical is success (a retried
-  upload after a crash), different raises :class:`ForkAlarm`, which the archiver must treat as
+  directory). When the key exists, the stored bytes are fetched and compared: identical is success
+  (a retried upload after a crash), different raises :class:`ForkAlarm`, which the archiver must treat as
   fatal: two histories are claiming the same name.
 - :meth:`ArchiveStore.replace` overwrites, and exists only for the derived ``manifest.json``.
 - :meth:`ArchiveStore.probe_create_only` checks, with a throw-away key under ``probes/``, that the
