@@ -13,10 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from infra.archive_store import (
     ArchiveStore,
     ArchiveStoreError,
+    CreateOnlyIgnored,
     ForkAlarm,
     ObjectNotFound,
     ObjectTooLarge,
@@ -171,3 +173,28 @@ async def test_an_unreachable_store_fails_with_a_typed_error(s3_server: S3Server
             assert s3_server.secret_access_key not in str(caught.value)
         with pytest.raises(ArchiveStoreError):
             [o async for o in dead.list("k")]
+
+
+async def test_a_store_that_ignores_create_only_is_refused() -> None:
+    """A real HTTP server speaking just enough S3 (PUT) that, like some S3-compatible stores,
+    ignores ``If-None-Match: *`` and overwrites: the probe refuses it."""
+    objects: dict[str, bytes] = {}
+
+    async def put(request: web.Request) -> web.Response:
+        objects[request.path] = await request.read()  # overwrite, whatever the precondition says
+        return web.Response(headers={"ETag": f'"{len(objects)}"'})
+
+    app = web.Application()
+    app.router.add_put("/{tail:.*}", put)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        sloppy = ArchiveStore.s3("bucket", "p", S3Options(f"http://127.0.0.1:{port}", "us-east-1", "id", "secret"))
+        with pytest.raises(CreateOnlyIgnored):
+            await sloppy.probe_create_only()
+        assert len(objects) == 1  # the same probe key, written twice
+    finally:
+        await runner.cleanup()
