@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.archive_store import ArchiveStore, ObjectNotFound
+from infra.archive_store import ArchiveStore, ObjectNotFound, PutOutcome
 from protocol.archive import (
     GENESIS_HASH,
     ArchivedEvent,
@@ -105,9 +105,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
 async def test_a_written_archive_checks_clean(store: ArchiveStore) -> None:
     written = await write_archive(store)
     assert await check_archive(store, written.lineage) == []
-    # Writing the same archive again (an archiver retrying after a crash) is a no-op, not a fork.
     manifest = decode_manifest(await store.get(manifest_key(written.lineage)))
     assert manifest.tree_size == written.size == 20
+    # Uploading a segment again (an archiver retrying after a crash) is a no-op, not a fork.
+    for key in written.keys:
+        assert await store.put(key, await store.get(key)) is PutOutcome.ALREADY_PRESENT
+    assert await check_archive(store, written.lineage) == []
 
 
 # --- tampering, through the directory's files (the store's own contract cannot overwrite) ----------
