@@ -17,6 +17,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from infra.client_address import TrustedProxies
+from protocol.checkpoint import CheckpointError, parse_signer_key
 from protocol.errors import ConfigError
 
 PREFIX = "TOASTMACHINE_"
@@ -43,8 +44,20 @@ class Settings:
     corpus_id: uuid.UUID | None = None
     #: History lineage; same rules as corpus_id.
     lineage: uuid.UUID | None = None
-    #: Archive object store: a directory path or file:// / s3:// URL (used by the archiver).
+    #: Archive object store: a directory path, file:///path or s3://bucket[/prefix]; None means
+    #: the directory ``data_dir/archive``.
     archive_url: str | None = None
+    #: S3 endpoint for an s3:// archive (any S3-compatible store); None means AWS (or AWS_ENDPOINT_URL).
+    archive_s3_endpoint: str | None = None
+    #: S3 region; None means obstore's default (AWS_REGION, else us-east-1).
+    archive_s3_region: str | None = None
+    #: S3 access key id; None means obstore's default credential chain (AWS_* variables, instance roles).
+    archive_s3_access_key_id: str | None = None
+    #: S3 secret access key; never printed (``redacted()`` masks it).
+    archive_s3_secret_access_key: str | None = None
+    #: The checkpoint signer key (``PRIVATE+KEY+...`` text); None means the file
+    #: ``data_dir/archive-signing-key``, generated on first use. Never printed.
+    archive_signing_key: str | None = None
     #: "console" (human) or "json" (production).
     log_format: str = "console"
     #: Root log level.
@@ -114,7 +127,12 @@ class Settings:
             public_url=get("PUBLIC_URL", _url("http", "https"), None),
             corpus_id=get("CORPUS_ID", _uuid, None),
             lineage=get("LINEAGE", _uuid, None),
-            archive_url=get("ARCHIVE_URL", lambda _v, raw: raw, None),
+            archive_url=get("ARCHIVE_URL", _archive_url, None),
+            archive_s3_endpoint=get("ARCHIVE_S3_ENDPOINT", _url("http", "https"), None),
+            archive_s3_region=get("ARCHIVE_S3_REGION", lambda _v, raw: raw, None),
+            archive_s3_access_key_id=get("ARCHIVE_S3_ACCESS_KEY_ID", lambda _v, raw: raw, None),
+            archive_s3_secret_access_key=get("ARCHIVE_S3_SECRET_ACCESS_KEY", lambda _v, raw: raw, None),
+            archive_signing_key=get("ARCHIVE_SIGNING_KEY", _signer_key, None),
             log_format=get("LOG_FORMAT", _choice("console", "json"), d.log_format),
             log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
             register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),
@@ -141,9 +159,14 @@ class Settings:
             text = "" if value is None else str(value)
             if f.name.endswith("_url") and value:
                 text = redact_url(text)
+            if f.name in _SECRETS and value:
+                text = "***"
             out[f.name] = text
         return out
 
+
+# Fields whose value is a secret: masked whole by redacted().
+_SECRETS = {"archive_s3_secret_access_key", "archive_signing_key"}
 
 # Variables with our prefix that are read by the test suite or CI, not by a node.
 _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_TEST_CHROMIUM",
@@ -170,6 +193,32 @@ def _url(*schemes: str) -> Callable[[str, str], str]:
             raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
         return raw
     return parse
+
+
+def _signer_key(var: str, raw: str) -> str:
+    try:
+        parse_signer_key(raw)
+    except CheckpointError as e:
+        # The message describes the shape only; the value is a secret and is never echoed.
+        raise ConfigError(f"{var} is not a signer key: {e}") from None
+    return raw
+
+
+def _archive_url(var: str, raw: str) -> str:
+    # A bare path is a directory; otherwise only file:// and s3://bucket[/prefix] are understood.
+    if "://" not in raw:
+        return raw
+    parts = urlsplit(raw)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ConfigError(f"{var} must be file:///absolute/path, got {raw!r}")
+        return raw
+    if parts.scheme == "s3":
+        if not parts.netloc or parts.query or parts.fragment or "@" in parts.netloc:
+            raise ConfigError(f"{var} must be s3://bucket[/prefix] (credentials go in "
+                              f"TOASTMACHINE_ARCHIVE_S3_*), got scheme s3 with a bad bucket or extras")
+        return raw
+    raise ConfigError(f"{var} must be a directory, file:// or s3:// URL, got scheme {parts.scheme!r}")
 
 
 def _int(lo: int, hi: int) -> Callable[[str, str], int]:

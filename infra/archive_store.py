@@ -1,0 +1,266 @@
+"""The archive's object store: create-only put, get, head and list over a directory or S3 (SPEC §5).
+
+One small contract, :class:`ArchiveStore`, over `obstore` (the Rust ``object_store`` bindings), so a
+local directory and any S3-compatible server take the same code path:
+
+- ``TOASTMACHINE_ARCHIVE_URL`` unset: the directory ``DATA_DIR/archive``; a path or ``file:///path``:
+  that directory; ``s3://bucket[/prefix]``: that bucket, with endpoint, region and credentials from
+  ``TOASTMACHINE_ARCHIVE_S3_*`` (else obstore's defaults, i.e. the ``AWS_*`` environment).
+- :meth:`ArchiveStore.put` is create-only (S3 ``If-None-Match: *``; obstore's exclusive create on a
+  directory). When the key exists, the stored bytes are fetched and compared: identical is success
+  (a retried upload after a crash), different raises :class:`ForkAlarm`, which the archiver must treat as
+  fatal: two histories are claiming the same name.
+- :meth:`ArchiveStore.replace` overwrites, and exists only for the derived ``manifest.json``.
+- :meth:`ArchiveStore.probe_create_only` checks, with a throw-away key under ``probes/``, that the
+  store really refuses a second create (some S3-compatible stores ignore the precondition).
+
+Reads are bounded: :meth:`get` refuses an object larger than ``max_bytes`` before reading it.
+Errors from the store are re-raised as :class:`ArchiveStoreError` naming the operation and key,
+never the store's credentials.
+
+Not here yet: the archiver's back-off and retry policy around these calls (issue #11, item 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
+from obstore.store import LocalStore, S3Store
+
+from infra.config import Settings
+from protocol.archive import MAX_SEGMENT_BYTES
+from protocol.errors import ConfigError, ToastMachineError
+
+
+class ArchiveStoreError(ToastMachineError):
+    """The object store failed or refused an operation (unreachable, denied, vanished object)."""
+
+
+class ObjectNotFound(ArchiveStoreError):
+    """No object under that key."""
+
+
+class ObjectTooLarge(ArchiveStoreError):
+    """The object is larger than the caller's bound; it was not read."""
+
+
+class ForkAlarm(ArchiveStoreError):
+    """A create-only put found different bytes under its key: the archive has forked. Stop loudly."""
+
+    def __init__(self, key: str, stored_sha256: str, new_sha256: str) -> None:
+        self.key = key
+        self.stored_sha256 = stored_sha256
+        self.new_sha256 = new_sha256
+        super().__init__(f"fork alarm: {key} already holds different bytes (stored sha256 {stored_sha256}, "
+                         f"new {new_sha256}); stop archiving and investigate")
+
+
+class CreateOnlyIgnored(ArchiveStoreError):
+    """The store overwrote an existing object on a create-only put: it cannot hold an archive."""
+
+
+class PutOutcome(enum.Enum):
+    """What a create-only put did."""
+
+    CREATED = "created"
+    #: The key already held exactly these bytes (a retry after a crash): nothing written.
+    ALREADY_PRESENT = "already_present"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a head or a listing says about one object."""
+
+    key: str
+    size: int
+    etag: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class S3Options:
+    """Where and how to reach an S3-compatible store; None fields fall back to obstore's defaults."""
+
+    endpoint: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+
+    def __repr__(self) -> str:
+        return f"S3Options(endpoint={self.endpoint!r}, region={self.region!r}, access_key_id=...)"
+
+
+#: Short client timeouts and few retries: the archiver owns the retry policy (back off, catch up),
+#: so one call must not hang for minutes inside obstore's own retry loop.
+_CLIENT_OPTIONS: dict[str, Any] = {"timeout": timedelta(seconds=60), "connect_timeout": timedelta(seconds=10)}
+_RETRY: dict[str, Any] = {"max_retries": 2}
+
+
+def _check_key(key: str) -> None:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"not a relative object key: {key!r}")
+
+
+class ArchiveStore:
+    """Create-only object storage for archive segments, checkpoints and the manifest."""
+
+    def __init__(self, store: LocalStore | S3Store, description: str) -> None:
+        """Wrap an obstore store; ``description`` names it in messages (no credentials in it)."""
+        self._store = store
+        self.description = description
+
+    @classmethod
+    def local(cls, directory: Path) -> ArchiveStore:
+        """A store in ``directory`` (created if missing)."""
+        directory = directory.expanduser().resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        return cls(LocalStore(directory, mkdir=True), f"directory {directory}")
+
+    @classmethod
+    def s3(cls, bucket: str, prefix: str, options: S3Options) -> ArchiveStore:
+        """A store in ``bucket`` under ``prefix`` on an S3-compatible server."""
+        config: dict[str, Any] = {}
+        client = dict(_CLIENT_OPTIONS)
+        if options.endpoint:
+            config["endpoint"] = options.endpoint
+            # obstore refuses plain HTTP unless told; an http:// endpoint is an explicit choice.
+            client["allow_http"] = options.endpoint.startswith("http://")
+        if options.region:
+            config["region"] = options.region
+        if options.access_key_id:
+            config["access_key_id"] = options.access_key_id
+        if options.secret_access_key:
+            config["secret_access_key"] = options.secret_access_key
+        store = S3Store(bucket, prefix=prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
+                        retry_config=_RETRY)  # type: ignore[arg-type]
+        where = f"s3://{bucket}/{prefix}".rstrip("/")
+        return cls(store, f"{where} at {options.endpoint or 'the default endpoint'}")
+
+    @classmethod
+    def from_url(cls, url: str | None, *, data_dir: Path, s3: S3Options | None = None) -> ArchiveStore:
+        """The store named by a ``TOASTMACHINE_ARCHIVE_URL`` value (None: ``data_dir/archive``)."""
+        if url is None:
+            return cls.local(data_dir / "archive")
+        if "://" not in url:
+            return cls.local(Path(url))
+        parts = urlsplit(url)
+        if parts.scheme == "file":
+            return cls.local(Path(unquote(parts.path)))
+        if parts.scheme == "s3" and parts.netloc:
+            return cls.s3(parts.netloc, unquote(parts.path).strip("/"), s3 or S3Options())
+        raise ConfigError("TOASTMACHINE_ARCHIVE_URL must be a directory, file:// or s3://bucket[/prefix] URL")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ArchiveStore:
+        """The store the configuration names."""
+        return cls.from_url(settings.archive_url, data_dir=settings.data_dir, s3=S3Options(
+            settings.archive_s3_endpoint, settings.archive_s3_region,
+            settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
+
+    def _failed(self, op: str, key: str, e: BaseException) -> ArchiveStoreError:
+        # obstore's message can carry the server's whole XML answer; the type says enough, and the
+        # original stays chained for a debug log.
+        return ArchiveStoreError(f"archive store ({self.description}): {op} {key} failed: {type(e).__name__}")
+
+    async def put(self, key: str, data: bytes) -> PutOutcome:
+        """Create ``key`` with ``data``; if it exists, success when identical, ForkAlarm otherwise."""
+        _check_key(key)
+        try:
+            # One request, never multipart: conditional create applies to a single PUT everywhere.
+            await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
+            return PutOutcome.CREATED
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
+            pass
+        except (BaseError, OSError) as e:
+            raise self._failed("put", key, e) from e
+        try:
+            stored = await self.get(key, max_bytes=len(data))
+        except ObjectTooLarge:
+            stored = None
+        except ObjectNotFound:
+            raise ArchiveStoreError(f"archive store ({self.description}): {key} was reported present "
+                                    "and then missing; retry the put") from None
+        if stored == data:
+            return PutOutcome.ALREADY_PRESENT
+        stored_hash = hashlib.sha256(stored).hexdigest() if stored is not None else "(larger object)"
+        raise ForkAlarm(key, stored_hash, hashlib.sha256(data).hexdigest())
+
+    async def replace(self, key: str, data: bytes) -> None:
+        """Write ``key`` whatever it held. Only for derived objects (``manifest.json``)."""
+        _check_key(key)
+        try:
+            await obstore.put_async(self._store, key, data, mode="overwrite", use_multipart=False)
+        except (BaseError, OSError) as e:
+            raise self._failed("replace", key, e) from e
+
+    async def get(self, key: str, *, max_bytes: int = MAX_SEGMENT_BYTES) -> bytes:
+        """The bytes of ``key``; ObjectNotFound, or ObjectTooLarge when over ``max_bytes`` (not read)."""
+        _check_key(key)
+        try:
+            result = await obstore.get_async(self._store, key)
+            size = int(result.meta["size"])
+            if size > max_bytes:
+                raise ObjectTooLarge(f"{key} is {size} bytes, more than {max_bytes}")
+            data = bytes(await result.bytes_async())
+        except (NotFoundError, FileNotFoundError):
+            raise ObjectNotFound(f"archive store ({self.description}): no object {key}") from None
+        except (BaseError, OSError) as e:
+            raise self._failed("get", key, e) from e
+        if len(data) != size:
+            raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")
+        return data
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        """Size and ETag of ``key``, or None when there is no such object."""
+        _check_key(key)
+        try:
+            meta = await obstore.head_async(self._store, key)
+        except (NotFoundError, FileNotFoundError):
+            return None
+        except (BaseError, OSError) as e:
+            raise self._failed("head", key, e) from e
+        return ObjectInfo(str(meta["path"]), int(meta["size"]), meta.get("e_tag"))
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` + "/" (all when empty), in pages of 500.
+
+        Order is the store's (lexicographic on S3 and, in practice, on directories); sort if it matters.
+        """
+        if prefix:
+            _check_key(prefix)
+        try:
+            async for chunk in obstore.list(self._store, prefix or None, chunk_size=500):
+                for meta in chunk:
+                    yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta.get("e_tag"))
+        except (BaseError, OSError) as e:
+            raise self._failed("list", prefix or "(all)", e) from e
+
+    async def probe_create_only(self) -> None:
+        """Raise CreateOnlyIgnored unless a second create of the same key is refused.
+
+        Leaves one small object under ``probes/`` (the contract has no delete, on purpose).
+        """
+        key = f"probes/{uuid.uuid4()}"
+        first, second = b"create-only probe: first\n", b"create-only probe: second\n"
+        try:
+            await obstore.put_async(self._store, key, first, mode="create", use_multipart=False)
+        except (BaseError, OSError) as e:
+            raise self._failed("probe put", key, e) from e
+        try:
+            await obstore.put_async(self._store, key, second, mode="create", use_multipart=False)
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
+            return
+        except (BaseError, OSError) as e:
+            raise self._failed("probe put", key, e) from e
+        raise CreateOnlyIgnored(f"archive store ({self.description}) overwrote {key} on a create-only put; "
+                                "it cannot hold a write-once archive")

@@ -1,0 +1,200 @@
+"""The archive object store, against a real directory and a real S3-compatible server (SeaweedFS).
+
+Same behaviour suite on both backends: create-only put (identical retry succeeds, different bytes
+raise ForkAlarm and leave the stored object untouched), get/head/list, bounded reads, the
+create-only probe, and configuration (URL forms, credentials that the server refuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from infra.archive_store import (
+    ArchiveStore,
+    ArchiveStoreError,
+    CreateOnlyIgnored,
+    ForkAlarm,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PutOutcome,
+    S3Options,
+)
+from infra.config import Settings
+from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
+from protocol.errors import ConfigError
+from tests.procs import free_port
+from tests.s3_server import S3Server
+
+
+@pytest.fixture(params=["directory", "seaweedfs"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ArchiveStore]:
+    """A factory of stores on one fresh location (two calls: two clients of the same place)."""
+    if request.param == "directory":
+        return lambda: ArchiveStore.local(tmp_path / "archive")
+    server: S3Server = request.getfixturevalue("s3_server")
+    prefix = f"run-{uuid.uuid4().hex[:12]}"
+    return lambda: server.store(prefix)
+
+
+def _segment(lineage: uuid.UUID, body: bytes = b'{"n":1}') -> tuple[str, bytes]:
+    data = encode_segment(Stream.PUBLIC, lineage, 0, GENESIS_HASH, [ArchivedEvent(1, body)])
+    return segment_key(lineage, 0, 1, 1), data
+
+
+async def test_put_get_head_list_round_trip(make_store: Callable[[], ArchiveStore]) -> None:
+    store = make_store()
+    lineage = uuid.uuid4()
+    key, data = _segment(lineage)
+    assert await store.put(key, data) is PutOutcome.CREATED
+    assert await store.get(key) == data
+    decode_segment(await store.get(key))  # byte-exact: the segment still verifies after the trip
+    info = await store.head(key)
+    assert info is not None and info.key == key and info.size == len(data)
+    assert await store.head(f"{lineage}/segments/missing") is None
+    await store.put(f"{lineage}/checkpoints/0000000000000000001", b"note\n")
+    listed = sorted([o.key async for o in store.list(str(lineage))])
+    assert listed == [f"{lineage}/checkpoints/0000000000000000001", key]
+    assert [o async for o in store.list(str(uuid.uuid4()))] == []
+
+
+async def test_identical_put_is_success_and_writes_nothing(make_store: Callable[[], ArchiveStore]) -> None:
+    lineage = uuid.uuid4()
+    key, data = _segment(lineage)
+    assert await make_store().put(key, data) is PutOutcome.CREATED
+    # A second client (an archiver after take-over) retrying the same upload.
+    assert await make_store().put(key, data) is PutOutcome.ALREADY_PRESENT
+    assert await make_store().get(key) == data
+
+
+@pytest.mark.parametrize("other", ["different", "shorter", "longer"])
+async def test_different_bytes_under_an_existing_key_raise_fork_alarm(
+        make_store: Callable[[], ArchiveStore], other: str) -> None:
+    store = make_store()
+    lineage = uuid.uuid4()
+    key, data = _segment(lineage)
+    await store.put(key, data)
+    forged = {"different": _segment(lineage, b'{"n":2}')[1], "shorter": data[:-1], "longer": data + b"x"}[other]
+    with pytest.raises(ForkAlarm) as caught:
+        await store.put(key, forged)
+    assert caught.value.key == key
+    # The stored object is untouched: create-only means the first write wins.
+    assert await store.get(key) == data
+
+
+async def test_get_is_bounded_and_missing_is_typed(make_store: Callable[[], ArchiveStore]) -> None:
+    store = make_store()
+    key = f"{uuid.uuid4()}/segments/big"
+    await store.put(key, b"x" * 1000)
+    with pytest.raises(ObjectTooLarge):
+        await store.get(key, max_bytes=999)
+    assert len(await store.get(key, max_bytes=1000)) == 1000
+    with pytest.raises(ObjectNotFound):
+        await store.get(f"{uuid.uuid4()}/nothing")
+
+
+async def test_replace_overwrites_only_when_asked(make_store: Callable[[], ArchiveStore]) -> None:
+    store = make_store()
+    key = f"{uuid.uuid4()}/manifest.json"
+    await store.replace(key, b"one")
+    await store.replace(key, b"two")
+    assert await store.get(key) == b"two"
+    with pytest.raises(ForkAlarm):
+        await store.put(key, b"three")
+
+
+async def test_store_honours_create_only(make_store: Callable[[], ArchiveStore]) -> None:
+    await make_store().probe_create_only()
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
+async def test_keys_must_be_plain_relative_paths(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError):
+        await ArchiveStore.local(tmp_path).put(key, b"x")
+
+
+async def test_wrong_credentials_are_refused_without_leaking_them(s3_server: S3Server) -> None:
+    store = s3_server.store(secret="definitely-wrong-secret")
+    with pytest.raises(ArchiveStoreError) as caught:
+        await store.put(f"{uuid.uuid4()}/x", b"x")
+    assert not isinstance(caught.value, ForkAlarm)
+    assert "definitely-wrong-secret" not in str(caught.value)
+    assert s3_server.secret_access_key not in str(caught.value)
+
+
+async def test_settings_choose_the_store(tmp_path: Path, s3_server: S3Server) -> None:
+    # Unset: DATA_DIR/archive.
+    default = ArchiveStore.from_settings(Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path)}))
+    await default.put("k/v", b"1")
+    assert (tmp_path / "archive" / "k" / "v").read_bytes() == b"1"
+    # file:// URL.
+    target = tmp_path / "elsewhere"
+    by_url = ArchiveStore.from_settings(Settings.from_env({"TOASTMACHINE_ARCHIVE_URL": f"file://{target}"}))
+    await by_url.put("k/v", b"2")
+    assert (target / "k" / "v").read_bytes() == b"2"
+    # s3:// with endpoint and credentials from the TOASTMACHINE_ARCHIVE_S3_* variables.
+    prefix = f"settings-{uuid.uuid4().hex[:8]}"
+    settings = Settings.from_env({
+        "TOASTMACHINE_ARCHIVE_URL": f"s3://{s3_server.bucket}/{prefix}",
+        "TOASTMACHINE_ARCHIVE_S3_ENDPOINT": s3_server.endpoint,
+        "TOASTMACHINE_ARCHIVE_S3_REGION": "us-east-1",
+        "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID": s3_server.access_key_id,
+        "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+    })
+    assert settings.redacted()["archive_s3_secret_access_key"] == "***"
+    s3 = ArchiveStore.from_settings(settings)
+    await s3.put("k/v", b"3")
+    assert await s3_server.store(prefix).get("k/v") == b"3"
+
+
+@pytest.mark.parametrize("url", ["ftp://host/x", "s3://", "s3://user:pw@bucket/x", "file://host/x"])
+def test_bad_archive_urls_are_refused_at_start(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings.from_env({"TOASTMACHINE_ARCHIVE_URL": url})
+    assert "TOASTMACHINE_ARCHIVE_URL" in str(caught.value)
+    assert "pw" not in str(caught.value)
+
+
+async def test_an_unreachable_store_fails_with_a_typed_error(s3_server: S3Server) -> None:
+    """Nothing listens on the endpoint: every operation raises ArchiveStoreError (the archiver backs
+    off on it), never a fork alarm and never a hang inside the client's retries."""
+    dead = ArchiveStore.s3(s3_server.bucket, "dead", S3Options(f"http://127.0.0.1:{free_port()}", "us-east-1",
+                                                                s3_server.access_key_id, s3_server.secret_access_key))
+    async with asyncio.timeout(120):
+        for op in (dead.put("k/v", b"x"), dead.get("k/v"), dead.head("k/v"), dead.probe_create_only()):
+            with pytest.raises(ArchiveStoreError) as caught:
+                await op
+            assert not isinstance(caught.value, ForkAlarm | ObjectNotFound)
+            assert s3_server.secret_access_key not in str(caught.value)
+        with pytest.raises(ArchiveStoreError):
+            [o async for o in dead.list("k")]
+
+
+async def test_a_store_that_ignores_create_only_is_refused() -> None:
+    """A real HTTP server speaking just enough S3 (PUT) that, like some S3-compatible stores,
+    ignores ``If-None-Match: *`` and overwrites: the probe refuses it."""
+    objects: dict[str, bytes] = {}
+
+    async def put(request: web.Request) -> web.Response:
+        objects[request.path] = await request.read()  # overwrite, whatever the precondition says
+        return web.Response(headers={"ETag": f'"{len(objects)}"'})
+
+    app = web.Application()
+    app.router.add_put("/{tail:.*}", put)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        sloppy = ArchiveStore.s3("bucket", "p", S3Options(f"http://127.0.0.1:{port}", "us-east-1", "id", "secret"))
+        with pytest.raises(CreateOnlyIgnored):
+            await sloppy.probe_create_only()
+        assert len(objects) == 1  # the same probe key, written twice
+    finally:
+        await runner.cleanup()
