@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from actors.web import rows
+from actors.reads import rows
 from actors.web.context import NODE
 from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.db.pool import connection
