@@ -35,8 +35,13 @@ def _json(value: Any) -> str:
 
 
 def success(body: dict[str, Any]) -> CallToolResult:
-    """A successful result: ``body`` as structured content and as its JSON text."""
-    return CallToolResult(content=[TextContent(type="text", text=_json(body))], structured_content=body)
+    """A successful result: ``body`` as structured content and as its JSON text.
+
+    The representations hold stored payloads as raw JSON fragments (sent byte for byte by the HTTP
+    API); structured content must be plain values, so the body is serialized once and parsed back,
+    and the text is exactly that serialization."""
+    text = orjson.dumps(body)
+    return CallToolResult(content=[TextContent(type="text", text=text.decode())], structured_content=orjson.loads(text))
 
 
 def failure(category: str, message: str, *, retryable: bool, outcome: str, recovery_action: str,

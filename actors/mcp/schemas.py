@@ -15,6 +15,7 @@ import functools
 import json
 from typing import Any
 
+from actors.web.openapi import UUID_INPUT_PATTERN  # noqa: F401 - the tools' id arguments accept the same
 from actors.web.openapi import _schemas as _http_components  # the one source of the record schemas
 
 Schema = dict[str, Any]
