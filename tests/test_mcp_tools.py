@@ -132,6 +132,7 @@ async def test_tools_declare_schemas_titles_and_annotations(stack: Stack) -> Non
         assert set(tools) == READ_TOOLS | WRITE_TOOLS
         for name, tool in tools.items():
             assert tool.title and tool.description, name
+            assert tool.output_schema is not None, name
             Draft202012Validator.check_schema(tool.output_schema)
             assert tool.output_schema["type"] == "object" and tool.input_schema["type"] == "object"
             assert tool.annotations is not None and tool.annotations.destructive_hint is False, name
@@ -154,8 +155,10 @@ async def test_every_read_tool_answers_what_the_http_api_answers(stack: Stack) -
         got = await mcp.ok("get_conversation", conversation_id=s["cid"].upper())
         assert got == {"conversation": http["conversation"], "messages": http["messages"], "next": None}
 
-        for params in ({}, {"author": "BOB-MCP"}, {"kinds": "claim,verification"}, {"tag": "retries"},
-                       {"mention": "bob-mcp"}, {"conversation": s["cid"]}, {"after": 1}, {"before": 3}):
+        message_filters: tuple[dict[str, Any], ...] = (
+            {}, {"author": "BOB-MCP"}, {"kinds": "claim,verification"}, {"tag": "retries"}, {"mention": "bob-mcp"},
+            {"conversation": s["cid"]}, {"after": 1}, {"before": 3})
+        for params in message_filters:
             http = await _get(stack, "/messages", **params)
             args = {k: (v.split(",") if k == "kinds" else v) for k, v in params.items()}
             got = await mcp.ok("get_messages", **args)
