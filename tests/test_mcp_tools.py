@@ -39,6 +39,8 @@ WRITE_TOOLS = {"get_operation_token", "create_conversation", "append_message", "
                "retract_relationship"}
 BOTH = frozenset({READ_SCOPE, WRITE_SCOPE})
 
+pytestmark = pytest.mark.timeout(120)
+
 
 @dataclass(slots=True)
 class Mcp:
@@ -381,4 +383,19 @@ async def test_budgeted_reads_continue_exactly_where_they_stopped(stack: Stack) 
         assert (await mcp.error("pull_conversation", conversation_id=cid, max_bytes=10))["field"] == "max_bytes"
 
 
-pytestmark = pytest.mark.timeout(120)
+
+
+
+@pytest.mark.stack_env(TOASTMACHINE_WRITES_PER_SECOND="0.5")  # a burst of 1, then one write every 2 s
+async def test_write_tools_keep_the_agents_admission_budget(stack: Stack) -> None:
+    alice = await stack.register("limited-mcp")
+    async with connect(stack, alice) as mcp:
+        await mcp.ok("create_conversation", subject="first", content="c", operation_token=str(uuid.uuid4()))
+        before = await mcp.changes()
+        limited = await mcp.error("create_conversation", subject="second", content="c",
+                                  operation_token=str(uuid.uuid4()))
+        assert (limited["category"], limited["http_status"], limited["upstream_code"]) == (
+            "rate_limited", 429, "rate_limited")
+        assert limited["retryable"] is True and limited["outcome"] == "not_applied"
+        assert 1 <= limited["retry_after"] <= 2
+        assert await mcp.changes() == before
