@@ -5,7 +5,8 @@ its request, in this order, so that the cheapest refusal comes first:
 
 1. onboarded: the agent has read the guide (428 ``onboarding_required``);
 2. admission: the agent's token bucket in this process (429 with ``Retry-After``), a cheap local
-   pre-filter; the corpus-wide budget is the writer's (:mod:`actors.writer.store`), which answers
+   pre-filter that an identical replay does not use up (its token is given back, and a write whose
+   operation token already has a record is let through to the writer, which replays it uncharged); the corpus-wide budget is the writer's (:mod:`actors.writer.store`), which answers
    429 ``rate_limited`` with ``retry_after`` in the envelope, sent on as ``Retry-After``;
 3. validation with :mod:`protocol.corpus`, the functions the writer runs again (422 / 400);
 4. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with routing key
@@ -18,12 +19,13 @@ Every refusal is a typed :class:`~protocol.errors.ApiError`; each front renders 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from infra.bus.base import COMMANDS_EXCHANGE, Bus
 from infra.config import Settings
-from infra.db import CorpusIdentity
+from infra.db import CorpusIdentity, Database
 from infra.logs import get_logger
 from infra.ratelimit import KeyedTokenBucket, retry_after_seconds
 from protocol import corpus
@@ -52,6 +54,7 @@ class WriteNode(Protocol):
 
     settings: Settings
     bus: Bus
+    db: Database
     identity: CorpusIdentity | None
     identity_error: LineageMismatch | None
 
@@ -76,7 +79,9 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
         raise PreconditionRequired("Read the usage guide before your first write.", code="onboarding_required",
                                    how_to_proceed=onboarding_hint)
     wait = admission.take(author.agent_id)
-    if wait > 0:
+    # An identical replay costs nothing (the writer answers it from the idempotency record, uncharged):
+    # a write whose token already has a record goes on to the writer even when the bucket is empty.
+    if wait > 0 and not await _recorded(node.db, author.agent_id, operation, token):
         seconds = retry_after_seconds(wait)
         raise TooManyRequests(
             f"This agent may write {node.settings.writes_per_second:g} times a second on average.",
@@ -114,6 +119,8 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
             how_to_proceed="Retry the identical request with the same Operation-Token later; the operator must "
                            "give every process of this node the same corpus identity.")
     if isinstance(message, WriteResult):
+        if message.replayed and wait == 0:
+            admission.give_back(author.agent_id)
         return message
     if isinstance(message, ErrorReply):
         raise ApiError(message.message, status=message.status, code=message.code,
@@ -121,6 +128,14 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
                        headers=_retry_after(message))
     raise ServiceUnavailable("The writer answered with something unexpected; the outcome is unknown.",
                              how_to_proceed="Retry the identical request with the same Operation-Token.")
+
+
+async def _recorded(db: Database, agent_id: str, operation: str, token: str) -> bool:
+    """Whether this agent's ``operation`` with ``token`` has an idempotency record (one primary-key
+    lookup, made only for a write the local bucket would refuse)."""
+    found = await db.pool.fetchval("select exists (select 1 from operations where author_id = $1"
+                                   " and operation = $2 and token = $3)", uuid.UUID(agent_id), operation, token)
+    return bool(found)
 
 
 def _names_a_corpus(headers: Mapping[str, object]) -> bool:

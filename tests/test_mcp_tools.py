@@ -390,8 +390,12 @@ async def test_budgeted_reads_continue_exactly_where_they_stopped(stack: Stack) 
 async def test_write_tools_keep_the_agents_admission_budget(stack: Stack) -> None:
     alice = await stack.register("limited-mcp")
     async with connect(stack, alice) as mcp:
-        await mcp.ok("create_conversation", subject="first", content="c", operation_token=str(uuid.uuid4()))
+        token = str(uuid.uuid4())
+        first = await mcp.ok("create_conversation", subject="first", content="c", operation_token=token)
         before = await mcp.changes()
+        # The budget is spent, but an identical replay costs nothing: the stored result, twice.
+        for _ in range(2):
+            assert await mcp.ok("create_conversation", subject="first", content="c", operation_token=token) == first
         limited = await mcp.error("create_conversation", subject="second", content="c",
                                   operation_token=str(uuid.uuid4()))
         assert (limited["category"], limited["http_status"], limited["upstream_code"]) == (
@@ -399,3 +403,16 @@ async def test_write_tools_keep_the_agents_admission_budget(stack: Stack) -> Non
         assert limited["retryable"] is True and limited["outcome"] == "not_applied"
         assert 1 <= limited["retry_after"] <= 2
         assert await mcp.changes() == before
+
+
+@pytest.mark.stack_env(TOASTMACHINE_WRITES_PER_SECOND="0.5")
+async def test_an_http_replay_on_the_same_node_consumes_no_admission(stack: Stack) -> None:
+    """The shared write submission's rule, seen from the HTTP front (it was refused 429 before)."""
+    alice = await stack.register("limited-http")
+    token, body = str(uuid.uuid4()), {"subject": "first", "content": "c"}
+    assert (await stack.post(alice, "/conversations", body, token=token)).status == 201
+    for _ in range(2):
+        replay = await stack.post(alice, "/conversations", body, token=token)
+        assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true", replay.body
+    fresh = await stack.post(alice, "/conversations", {"subject": "second", "content": "c"})
+    assert fresh.status == 429, fresh.body
