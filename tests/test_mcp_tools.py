@@ -25,6 +25,7 @@ from mcp import Client
 from mcp.server.mcpserver import MCPServer
 from mcp_types import CallToolResult, TextContent
 
+from actors.mcp import schemas
 from actors.mcp.grant_types import READ_SCOPE, WRITE_SCOPE, Grant
 from actors.mcp.resources import CORPUS_URI, GUIDE_URI, register_resources
 from actors.mcp.tools import ToolDeps, register_tools
@@ -74,8 +75,8 @@ class Mcp:
     async def error(self, tool: str, /, **arguments: Any) -> dict[str, Any]:
         result = await self.call(tool, **arguments)
         assert result.is_error, result.structured_content
+        Draft202012Validator(schemas.error()).validate(result.structured_content)
         error = result.structured_content["error"]  # type: ignore[index]
-        assert set(error) >= {"category", "message", "retryable", "outcome", "recovery_action"}
         return error  # type: ignore[no-any-return]
 
     async def changes(self) -> int:

@@ -124,8 +124,12 @@ def operation_token() -> Schema:
 
 def error() -> Schema:
     """The ``structuredContent`` of every error result (not an output schema: error results are not
-    validated against one; published here for the tests and the docs)."""
-    return _obj({"error": _obj(
-        {"category": {"type": "string"}, "message": {"type": "string"}, "retryable": {"type": "boolean"},
-         "outcome": {"enum": ["not_applied", "unknown"]}, "recovery_action": {"type": "string"}},
-        {"http_status": {"type": "integer"}, "upstream_code": {"type": "string"}})})
+    validated against one; published here for the tests and the docs). Besides the fixed fields, an
+    error carries the HTTP envelope's extras (``field``, ``retry_after``, ``scope``...)."""
+    inner = _obj({"category": {"type": "string", "pattern": "^[a-z_]+$"}, "message": {"type": "string"},
+                  "retryable": {"type": "boolean"}, "outcome": {"enum": ["not_applied", "unknown"]},
+                  "recovery_action": {"type": "string"}},
+                 {"http_status": {"type": "integer", "minimum": 400, "maximum": 599},
+                  "upstream_code": {"type": "string", "pattern": "^[a-z][a-z0-9_]*$"}})
+    inner["additionalProperties"] = True
+    return _obj({"error": inner})
