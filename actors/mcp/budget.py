@@ -19,6 +19,9 @@ import orjson
 DEFAULT_MAX_BYTES = 40_000
 MAX_MAX_BYTES = 200_000
 MIN_MAX_BYTES = 1_000
+#: Bytes kept free for the fields around the items (next, complete, total, retrieval_size...), so
+#: that the whole answer, not just its items, stays within the budget.
+ENVELOPE_RESERVE = 400
 #: How ``estimated_tokens`` is derived: compact UTF-8 JSON bytes / 4, rounded up (a common rule of thumb).
 ESTIMATION_METHOD = "utf8_json_bytes_div_4"
 

@@ -147,7 +147,7 @@ def _max_bytes(value: int | None) -> int:
 def _budgeted(listing: queries.Listing, max_bytes: int, position: Callable[[dict[str, Any]], int],
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A listing kept to ``max_bytes``: whole items, and ``next`` right after the last one kept."""
-    keep = budget.fit(listing.items, max_bytes)
+    keep = budget.fit(listing.items, max_bytes - budget.ENVELOPE_RESERVE)
     items = listing.items[:keep]
     next_args: dict[str, int] | None
     if keep == len(listing.items):
@@ -499,7 +499,7 @@ async def _pull(pool: Any, conversation_id: str, after: int, max_bytes: int) -> 
                                                 queries.CONVERSATION_PARAMS))
         if head is None:
             head = page.conversation
-            used = len(orjson.dumps(head)) + 200  # the envelope around the messages
+            used = len(orjson.dumps(head)) + budget.ENVELOPE_RESERVE  # the fields around the messages
         full = False
         for message in page.messages:
             size = len(orjson.dumps(message)) + 1
