@@ -30,6 +30,8 @@ from actors.mcp.grant_types import READ_SCOPE, WRITE_SCOPE, Grant
 from actors.mcp.resources import CORPUS_URI, GUIDE_URI, register_resources
 from actors.mcp.tools import ToolDeps, register_tools
 from actors.web.context import NODE
+from actors.writer import CorpusWriter
+from infra.ratelimit import write_budget
 from protocol.schemas import FORMAT_CHECKER
 from tests.corpus_fixtures import Agent, Stack
 
@@ -418,3 +420,27 @@ async def test_an_http_replay_on_the_same_node_consumes_no_admission(stack: Stac
         assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true", replay.body
     fresh = await stack.post(alice, "/conversations", {"subject": "second", "content": "c"})
     assert fresh.status == 429, fresh.body
+
+
+@pytest.mark.stack_env(TOASTMACHINE_COMMAND_TIMEOUT="1")
+async def test_a_write_without_a_writer_says_how_to_retry_and_the_retry_has_one_effect(stack: Stack) -> None:
+    alice = await stack.register("retrier-mcp")
+    cid = (await stack.conversation(alice, "Retries"))["conversation"]["id"]
+    async with connect(stack, alice) as mcp:
+        await stack.writer.stop(grace=5)
+        token = str(uuid.uuid4())
+        error = await mcp.error("append_message", conversation_id=cid, content="once", operation_token=token)
+        # The writer's queue outlives the writer (on both buses): the command waits there, unanswered.
+        assert (error["category"], error["http_status"], error["outcome"], error["retryable"]) == (
+            "outcome_unknown", 504, "unknown", True)
+        assert "same operation_token" in error["recovery_action"]
+        writer = CorpusWriter(stack.bus, node_id="test-writer-2", db=stack.db, identity=stack.identity,
+                              write_budget=write_budget(100000))
+        await writer.start()
+        try:
+            first = await mcp.ok("append_message", conversation_id=cid, content="once", operation_token=token)
+            assert await mcp.ok("append_message", conversation_id=cid, content="once", operation_token=token) == first
+        finally:
+            await writer.stop(grace=5)
+        http = await _get(stack, f"/conversations/{cid}")
+        assert [m["content"] for m in http["messages"]] == ["hi", "once"]
