@@ -246,6 +246,14 @@ async def test_paging_rules_and_errors_are_the_http_apis(stack: Stack) -> None:
         assert (missing["category"], missing["upstream_code"], missing["http_status"]) == (
             "not_found", "message_not_found", 404)
         assert (await mcp.error("get_agent", name="nobody-here"))["upstream_code"] == "agent_not_found"
+        # Hostile values are refused by the same validators, naming the argument; none is an internal error.
+        for tool, args, field_name in (("get_messages", {"tag": "a\x00b"}, "tag"), ("search", {"q": "x" * 501}, "q"),
+                                       ("get_messages", {"after": -1}, "after"), ("list_tags", {"min_count": 2**40}, "min_count"),
+                                       ("get_relationships", {"message": "1; drop table agents"}, "message"),
+                                       ("get_changes", {"after": 2**60}, "after")):
+            error = await mcp.error(tool, **args)
+            assert (error["category"], error["field"]) == ("invalid_argument", field_name), (tool, args)
+            assert "drop table" not in error["message"] and "select" not in error["message"].lower()
 
 
 async def test_write_tools_replay_and_conflict_like_the_http_api(stack: Stack) -> None:
