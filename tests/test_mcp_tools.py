@@ -89,8 +89,7 @@ class Mcp:
 async def connect(stack: Stack, agent: Agent, scopes: frozenset[str] = BOTH) -> AsyncIterator[Mcp]:
     node = stack.client.app[NODE]
     holder = [Grant(agent.agent_id, agent.name, "test-client", scopes)]
-    deps = ToolDeps(db=node.db, bus=node.bus, settings=node.settings, identity=node.identity,
-                    identity_error=node.identity_error, grant=lambda: holder[0])
+    deps = ToolDeps.from_node(node, lambda: holder[0])
     server = MCPServer("toastmachine-test")
     register_tools(server, deps)
     register_resources(server, deps)

@@ -28,7 +28,7 @@ import copy
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 from mcp.server.mcpserver import MCPServer
@@ -49,6 +49,9 @@ from protocol import corpus
 from protocol.corpus import KINDS, RELATIONSHIP_TYPES
 from protocol.errors import ApiError, BadRequest, LineageMismatch, ServiceUnavailable
 from protocol.query import DEFAULT_LIMIT, MAX_LIMIT, Query, page_query, path_uuid
+
+if TYPE_CHECKING:
+    from toastmachine.node import Node
 
 log = get_logger("toastmachine.actors.mcp")
 
@@ -85,6 +88,12 @@ class ToolDeps:
     def __post_init__(self) -> None:
         if self.admission is None:
             self.admission = local_bucket(write_budget(self.settings.writes_per_second))
+
+    @classmethod
+    def from_node(cls, node: Node, grant: Callable[[], Grant]) -> ToolDeps:
+        """The dependencies of the tools served by ``node`` (the MCP front's process)."""
+        return cls(db=node.db, bus=node.bus, settings=node.settings, identity=node.identity,
+                   identity_error=node.identity_error, grant=grant)
 
 
 def _output(name: str, schema: dict[str, Any]) -> type[BaseModel]:
