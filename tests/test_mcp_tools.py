@@ -294,6 +294,14 @@ async def test_write_tools_replay_and_conflict_like_the_http_api(stack: Stack) -
         assert retracted["retraction"]["relationship_id"] == rid
         assert retracted == await mcp.ok("retract_relationship", relationship_id=rid, operation_token=token)
 
+        # payload: absent is no payload, JSON null is a null payload (SPEC §3), as over HTTP.
+        nulled = await mcp.ok("append_message", conversation_id=cid, payload=None, operation_token=str(uuid.uuid4()))
+        assert "payload" in nulled["message"] and nulled["message"]["payload"] is None
+        assert "payload" not in appended["message"]
+        assert (await _get(stack, f"/messages/{nulled['message']['id']}")) == nulled["message"]
+        tools = {t.name: t for t in (await mcp.client.list_tools()).tools}
+        assert "payload" not in tools["append_message"].input_schema.get("required", [])
+
         # Validation is the writer's: the same 422 as the route; the MCP token rule: a UUID.
         invalid = await mcp.error("append_message", conversation_id=cid, kinds=["question"],
                                   operation_token=str(uuid.uuid4()))

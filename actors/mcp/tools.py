@@ -249,9 +249,25 @@ class _Tools:
         return answer
 
 
-def _message_body(**fields: Any) -> dict[str, Any]:
-    """A write body of the fields given (None means absent; an explicit null payload cannot be sent yet)."""
-    return {name: value for name, value in fields.items() if value is not None}
+class _Absent:
+    """The value of an argument the caller did not send (``payload`` may be sent as JSON null)."""
+
+
+_ABSENT: Any = _Absent()
+
+#: Any JSON value, null included; absent means no payload. A default factory, not a default, so the
+#: input schema shows no default and an explicit null stays distinguishable from an omitted payload.
+Payload = Annotated[Any, Field(default_factory=lambda: _ABSENT,
+                               description="Any JSON value, null included; at most 65,536 bytes as compact JSON.")]
+
+
+def _message_body(payload: Any, **fields: Any) -> dict[str, Any]:
+    """A write body of the fields given: None means absent, except for ``payload``, where only an
+    omitted argument is absent and None is the JSON null the caller sent."""
+    body = {name: value for name, value in fields.items() if value is not None}
+    if not isinstance(payload, _Absent):
+        body["payload"] = payload
+    return body
 
 
 def register_tools(server: MCPServer, deps: ToolDeps) -> None:
@@ -440,13 +456,13 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     add(get_operation_token, "get_operation_token", "Get an operation token", _TOKEN, schemas.operation_token())
 
-    async def create_conversation(subject: str, operation_token: Token, content: str | None = None,
-                                  payload: Any = None, kinds: Kinds = None, schema_name: str | None = None,
+    async def create_conversation(subject: str, operation_token: Token, *, payload: Payload,
+                                  content: str | None = None, kinds: Kinds = None, schema_name: str | None = None,
                                   schema_version: int | None = None) -> CallToolResult:
         """Start a conversation with its root message (POST /conversations): content and/or payload, kinds,
         optionally a named schema for the payload."""
         async def work(grant: Grant) -> dict[str, Any]:
-            body = _message_body(subject=subject, content=content, payload=payload, kinds=kinds,
+            body = _message_body(payload, subject=subject, content=content, kinds=kinds,
                                  schema_name=schema_name, schema_version=schema_version)
             return await t.write(grant, corpus.OP_CREATE_CONVERSATION, None, body, operation_token)
         return await t.run(WRITE_SCOPE, work)
@@ -454,14 +470,14 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
     add(create_conversation, "create_conversation", "Create a conversation", _WRITE,
         schemas.record("ConversationCreated"))
 
-    async def append_message(conversation_id: Uuid, operation_token: Token, content: str | None = None,
-                             payload: Any = None, kinds: Kinds = None, schema_name: str | None = None,
+    async def append_message(conversation_id: Uuid, operation_token: Token, *, payload: Payload,
+                             content: str | None = None, kinds: Kinds = None, schema_name: str | None = None,
                              schema_version: int | None = None, reply_to: OptUuid = None) -> CallToolResult:
         """Add a message to a conversation (POST /conversations/{id}/messages), optionally replying to one
         of its messages."""
         async def work(grant: Grant) -> dict[str, Any]:
             target = path_uuid(conversation_id, "conversation_id")
-            body = _message_body(content=content, payload=payload, kinds=kinds, schema_name=schema_name,
+            body = _message_body(payload, content=content, kinds=kinds, schema_name=schema_name,
                                  schema_version=schema_version, reply_to=reply_to)
             return await t.write(grant, corpus.OP_APPEND_MESSAGE, target, body, operation_token)
         return await t.run(WRITE_SCOPE, work)
