@@ -12,7 +12,7 @@ flight, alternating ours and the baseline for ``--rounds`` rounds (the median ro
 
 Parameters rotate over a few conversations, tags and queries picked from the seeded data. The
 baseline runs exactly the route's statements (built by the same plan functions in
-``actors/web/reads.py``) through an asyncpg pool of the same size as the web front's
+``actors/reads/queries.py``) through an asyncpg pool of the same size as the web front's
 (``TOASTMACHINE_DB_POOL_SIZE``), fetching the rows and nothing more: no HTTP, no JSON. The web front
 runs in its own process (``--server subprocess``, the default) on the in-process bus (reads never
 touch the bus). Prints requests/s, p50 and p99 of each, and the ratio ours/raw (target >= 0.5 for
@@ -41,7 +41,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.web import reads
+from actors.reads import queries as reads
 from bench.stream import fresh_database, front, percentile
 from infra.config import Settings
 from protocol.query import Query
@@ -158,11 +158,11 @@ def workloads(params: dict[str, list[Any]]) -> list[Workload]:
         Workload("conversation", lambda n: f"/conversations/{conversations[n % len(conversations)]}?limit=50",
                  raw_conversation),
         Workload("messages", lambda n: "/messages?" + urlencode(messages_query(n)),
-                 raw_plan(reads.plan_messages, reads._MESSAGE_PARAMS, messages_query)),
+                 raw_plan(reads.plan_messages, reads.MESSAGE_PARAMS, messages_query)),
         Workload("search", lambda n: "/search?" + urlencode(search_query(n)),
-                 raw_plan(reads.plan_search, reads._SEARCH_PARAMS, search_query)),
+                 raw_plan(reads.plan_search, reads.SEARCH_PARAMS, search_query)),
         Workload("tags", lambda n: "/tags?" + urlencode(tags_query),
-                 raw_plan(reads.plan_tags, reads._TAG_PARAMS, lambda n: tags_query)),
+                 raw_plan(reads.plan_tags, reads.TAG_PARAMS, lambda n: tags_query)),
     ]
 
 

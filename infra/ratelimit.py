@@ -166,6 +166,15 @@ class KeyedTokenBucket:
             return 0.0
         return (cost - bucket.tokens) / self.rate
 
+    def give_back(self, key: str, cost: float = 1.0) -> None:
+        """Return ``cost`` tokens taken for a request that turned out to cost nothing (an idempotent
+        replay); the bucket never goes above ``burst``. A key without a bucket is full already."""
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            now = self._clock()
+            bucket.tokens = min(self.burst, self._level(bucket, now) + cost)
+            bucket.updated = now
+
     def _level(self, bucket: _Bucket, now: float) -> float:
         """Tokens in ``bucket`` at ``now``, capped at ``burst``."""
         elapsed = max(0.0, now - bucket.updated)

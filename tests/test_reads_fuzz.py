@@ -202,12 +202,12 @@ async def test_raw_query_strings(stack: Stack, data: st.DataObject) -> None:
 
 def test_every_read_route_is_fuzzed() -> None:
     # The route table above stays in step with the handlers' declared parameters.
-    from actors.web import reads
+    from actors.reads import queries as reads
 
     declared: dict[str, Any] = {
-        "/conversations": reads._CONVERSATION_LIST_PARAMS, "/conversations/{}": reads._CONVERSATION_PARAMS,
-        "/messages": reads._MESSAGE_PARAMS, "/search": reads._SEARCH_PARAMS, "/tags": reads._TAG_PARAMS,
-        "/relationships": reads._RELATIONSHIP_PARAMS, "/agents": reads._AGENT_PARAMS,
+        "/conversations": reads.CONVERSATION_LIST_PARAMS, "/conversations/{}": reads.CONVERSATION_PARAMS,
+        "/messages": reads.MESSAGE_PARAMS, "/search": reads.SEARCH_PARAMS, "/tags": reads.TAG_PARAMS,
+        "/relationships": reads.RELATIONSHIP_PARAMS, "/agents": reads.AGENT_PARAMS,
     }
     for route, params in declared.items():
         assert set(ROUTES[route]) == set(params), route

@@ -21,7 +21,7 @@ import asyncpg
 import orjson
 import pytest
 
-from actors.web import rows
+from actors.reads import rows
 from actors.web.app import make_app
 from infra.bus import make_bus
 from infra.db import CorpusIdentity, Database, apply_migrations, read_identity

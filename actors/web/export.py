@@ -27,7 +27,13 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from actors.web import rows
+from actors.reads import rows
+from actors.reads.corpus import (  # the paths are this module's routes; others import them from here
+    CHANGES_PATH,
+    SNAPSHOT_PATH,
+    STREAM_PATH,  # noqa: F401
+    corpus_info_body,
+)
 from actors.web.context import NODE
 from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.db.pool import connection
@@ -50,9 +56,6 @@ WRITE_TIMEOUT = 30.0
 #: Seconds a request waits for a free export slot before it is answered 503 (retry later).
 SLOT_WAIT = 5.0
 
-CHANGES_PATH = "/corpus/changes.jsonl"
-SNAPSHOT_PATH = "/corpus/snapshot.jsonl"
-STREAM_PATH = "/corpus/stream"
 
 #: Concurrent JSONL streams of one app; each holds a pooled connection while the client reads.
 EXPORT_SLOTS: web.AppKey[asyncio.Semaphore] = web.AppKey("export_slots", asyncio.Semaphore)
@@ -339,21 +342,6 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
 
 # --- GET /corpus -------------------------------------------------------------------------------
 
-# Counts from the read models where they are exact (they commit with the changes they count): every
-# message is counted in its author's agent_activity, every conversation has one
-# conversation_activity row, and every change records exactly one message, assertion or retraction.
-_INFO = (
-    "with counts as (select (select count(*) from agents) as agents,"
-    " (select count(*) from conversation_activity) as conversations,"
-    " (select coalesce(sum(message_count), 0) from agent_activity)::bigint as messages,"
-    " (select count(*) from relationships) as relationships,"
-    " (select count(*) from retractions) as retractions)"
-    " select (select coalesce(max(sequence), 0) from changes) as head,"
-    " (select coalesce(min(sequence), 0) from changes) as earliest,"
-    " agents, conversations, messages, relationships, messages + relationships + retractions as changes"
-    " from counts")
-
-
 async def corpus_info(request: web.Request) -> web.Response:
     """``GET /corpus``: identity, head and earliest sequence, counts and the synchronization links.
 
@@ -363,14 +351,7 @@ async def corpus_info(request: web.Request) -> web.Response:
     media = choose(request, BROWSABLE_TYPES)
     corpus_id, lineage = node_identity(request)
     Query(request.query, ())
-    # One statement sees one snapshot: the counts and the head agree with each other.
-    row = await request.app[NODE].db.pool.fetchrow(_INFO)
-    body = {
-        "corpus_id": corpus_id, "lineage": lineage,
-        "head_sequence": row["head"], "earliest_sequence": row["earliest"],
-        "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
-        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
-    }
+    body = await corpus_info_body(request.app[NODE].db.pool, corpus_id, lineage)
     identity = identity_headers(corpus_id, lineage)
     return respond(request, Document("corpus", body, "Corpus", headers=identity,
                                      cache_control=identity["Cache-Control"]), media)

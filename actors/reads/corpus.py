@@ -1,0 +1,64 @@
+"""The corpus as a whole, front-neutral: its info (identity, head, counts, links) and pages of its
+change history as parsed envelopes (the web front streams the same rows as JSONL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import orjson
+
+#: Where the web front serves the synchronization feeds (linked from the corpus info).
+CHANGES_PATH = "/corpus/changes.jsonl"
+SNAPSHOT_PATH = "/corpus/snapshot.jsonl"
+STREAM_PATH = "/corpus/stream"
+
+# Counts from the read models where they are exact (they commit with the changes they count): every
+# message is counted in its author's agent_activity, every conversation has one
+# conversation_activity row, and every change records exactly one message, assertion or retraction.
+CORPUS_INFO_SQL = (
+    "with counts as (select (select count(*) from agents) as agents,"
+    " (select count(*) from conversation_activity) as conversations,"
+    " (select coalesce(sum(message_count), 0) from agent_activity)::bigint as messages,"
+    " (select count(*) from relationships) as relationships,"
+    " (select count(*) from retractions) as retractions)"
+    " select (select coalesce(max(sequence), 0) from changes) as head,"
+    " (select coalesce(min(sequence), 0) from changes) as earliest,"
+    " agents, conversations, messages, relationships, messages + relationships + retractions as changes"
+    " from counts")
+
+
+async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> dict[str, Any]:
+    """``GET /corpus``'s body. One statement sees one snapshot: the counts and the head agree."""
+    row = await pool.fetchrow(CORPUS_INFO_SQL)
+    return {
+        "corpus_id": corpus_id, "lineage": lineage,
+        "head_sequence": row["head"], "earliest_sequence": row["earliest"],
+        "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
+        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
+    }
+
+
+_CHANGES_PAGE = ("select sequence, event, (select coalesce(max(sequence), 0) from changes) as head,"
+                 " (select coalesce(min(sequence), 0) from changes) as earliest"
+                 " from (values (1)) as one left join lateral"
+                 " (select sequence, event from changes where sequence > $1 order by sequence limit $2) as page on true")
+
+
+@dataclass(slots=True)
+class ChangesPage:
+    """Envelopes after a sequence, oldest first; ``more`` when the history goes on past the page."""
+
+    envelopes: list[dict[str, Any]]
+    head: int
+    earliest: int
+    more: bool
+
+
+async def changes_page(pool: asyncpg.Pool, after: int, limit: int) -> ChangesPage:
+    """Up to ``limit`` stored envelopes with sequence > ``after`` (exactly as exported), and the head."""
+    fetched = await pool.fetch(_CHANGES_PAGE, after, limit + 1)
+    head, earliest = fetched[0]["head"], fetched[0]["earliest"]
+    found = [r for r in fetched if r["sequence"] is not None]
+    return ChangesPage([orjson.loads(r["event"]) for r in found[:limit]], head, earliest, len(found) > limit)
