@@ -60,7 +60,13 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     """Every actor and the web front in one process; embedded database and in-process bus by default."""
     return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True,
-                      announce=_announcer(settings)))
+                      announce=_announcer(settings), mcp=True))
+
+
+def cmd_mcp(settings: Settings, args: argparse.Namespace) -> int:
+    """The MCP front alone (MCP endpoint and OAuth authorization server); needs TOASTMACHINE_AMQP_URL."""
+    return _run(serve(settings, actors=[], web=False, allow_memory_bus=False,
+                      announce=_announcer(settings), mcp=True))
 
 
 def cmd_web(settings: Settings, args: argparse.Namespace) -> int:
@@ -316,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("up", help=cmd_up.__doc__).set_defaults(func=cmd_up)
     sub.add_parser("web", help=cmd_web.__doc__).set_defaults(func=cmd_web)
+    sub.add_parser("mcp", help=cmd_mcp.__doc__).set_defaults(func=cmd_mcp)
     run = sub.add_parser("run", help=cmd_run.__doc__)
     run.add_argument("actor", choices=sorted(ACTORS), help="the actor to run")
     run.set_defaults(func=cmd_run)

@@ -1,0 +1,76 @@
+"""The MCP front as an actor: uvicorn serving :func:`actors.mcp.app.build_app` in the node's event loop.
+
+``toastmachine mcp`` runs it alone; ``toastmachine up`` runs it beside the other actors. uvicorn's own
+signal capture is disabled: the node handles SIGTERM/SIGINT and stops actors in phases (stop intake,
+drain within the grace period, close), and this actor maps those onto uvicorn's graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from actors.mcp.app import build_app
+from infra.runtime import Actor
+
+if TYPE_CHECKING:
+    from toastmachine.node import Node
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # The node owns the signals; see the module docstring.
+        yield
+
+
+class McpFront(Actor):
+    """Serves the MCP endpoint and the OAuth authorization server over HTTP (uvicorn)."""
+
+    name = "mcp"
+
+    def __init__(self, node: Node, *, host: str, port: int) -> None:
+        super().__init__()
+        self.node = node
+        self.host = host
+        self.port = port
+        self.bound_port: int | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def setup(self) -> None:
+        app = build_app(self.node.settings, self.node.db)
+        config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="on", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=int(self.node.settings.shutdown_grace))
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(), name="mcp-uvicorn")
+        # uvicorn reports readiness only through this flag; the task ending first is a failed start.
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the MCP front stopped while starting")
+            await asyncio.sleep(0.02)
+        sockets = [s for server in self._server.servers for s in (server.sockets or [])]
+        self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
+        self.log.info("mcp.listening", url=f"http://{self.host}:{self.bound_port}/mcp")
+
+    async def stop_intake(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+    async def drain(self, grace: float) -> None:
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), grace + 1)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.force_exit = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

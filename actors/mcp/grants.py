@@ -1,0 +1,84 @@
+"""Who is calling a tool: the grant behind the request's access token, and the per-tool scope check.
+
+The HTTP layer (the SDK's bearer middleware in :mod:`actors.mcp.app`) has already refused any
+request without a valid token for this resource with 401 before a tool runs. Tools then:
+
+- call :func:`current_grant` for the agent they act as (tool arguments never carry identities or
+  credentials), and
+- declare their scope with :func:`require_scope`: the app's scope gate answers a ``tools/call`` for
+  a tool whose scope the token lacks with HTTP 403 and the ``insufficient_scope`` challenge before
+  the tool runs; inside the tool, :func:`check_scope` is the second line and raises
+  :class:`InsufficientScope` (a tool error, nothing done) should the gate ever be bypassed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.mcpserver.exceptions import ToolError
+
+from actors.mcp.oauth import SCOPES
+
+F = TypeVar("F", bound=Callable[..., object])
+
+#: Tool name -> the scope it needs, filled by :func:`require_scope` and read by the scope gate.
+_TOOL_SCOPES: dict[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The authorization a request carries: the agent it acts as, the client and the scopes granted."""
+
+    agent_id: str
+    agent_name: str
+    client_id: str
+    scopes: frozenset[str]
+
+    def has(self, scope: str) -> bool:
+        """True when this grant includes ``scope``."""
+        return scope in self.scopes
+
+
+class InsufficientScope(ToolError):
+    """A tool ran for a token without its scope (the scope gate should have refused it first)."""
+
+    def __init__(self, scope: str) -> None:
+        self.scope = scope
+        super().__init__(f"This tool needs the OAuth scope {scope}; authorize the app again with it.")
+
+
+class NoGrant(ToolError):
+    """A tool ran without an authenticated request (never expected behind the bearer middleware)."""
+
+
+def current_grant() -> Grant:
+    """The grant of the request being handled; raises :class:`NoGrant` outside an authenticated request."""
+    token = get_access_token()
+    claims = token.claims if token is not None else None
+    if token is None or not token.subject or not claims or not claims.get("agent_name"):
+        raise NoGrant("This request carries no valid authorization.")
+    return Grant(agent_id=token.subject, agent_name=str(claims["agent_name"]), client_id=token.client_id,
+                 scopes=frozenset(token.scopes))
+
+
+def require_scope(tool_name: str, scope: str) -> None:
+    """Declare that tool ``tool_name`` needs ``scope``: the HTTP scope gate enforces it with a 403."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}")
+    _TOOL_SCOPES[tool_name] = scope
+
+
+def check_scope(scope: str) -> Grant:
+    """The current grant if it has ``scope``; :class:`InsufficientScope` otherwise (call first in a tool)."""
+    grant = current_grant()
+    if not grant.has(scope):
+        raise InsufficientScope(scope)
+    return grant
+
+
+def tool_scopes() -> Mapping[str, str]:
+    """The declared scope of every tool (read by the scope gate)."""
+    return _TOOL_SCOPES
