@@ -38,10 +38,15 @@ from mcp.server.auth.provider import ProviderTokenVerifier
 from mcp.server.auth.routes import build_metadata, cors_middleware
 from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
 from mcp.server.mcpserver import MCPServer
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.transport_security import (
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    RequestBodyLimitMiddleware,
+    TransportSecuritySettings,
+)
 from mcp.shared.auth import ProtectedResourceMetadata
 from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
+from starlette.datastructures import FormData
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -220,11 +225,13 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     protected = _NoStore(protected)
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
-    metadata = build_metadata(AnyHttpUrl(issuer), None, registration, RevocationOptions(enabled=True))
+    # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
+    # and clients compare it (and the redirect's iss, RFC 9207) byte for byte.
+    metadata = build_metadata(issuer, None, registration, RevocationOptions(enabled=True))  # type: ignore[arg-type]
     metadata.token_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.revocation_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.authorization_response_iss_parameter_supported = True
-    prm = ProtectedResourceMetadata(resource=AnyHttpUrl(store.resource), authorization_servers=[AnyHttpUrl(issuer)],
+    prm = ProtectedResourceMetadata(resource=AnyHttpUrl(store.resource), authorization_servers=[issuer],  # type: ignore[list-item]
                                     scopes_supported=list(SCOPES), resource_name="ToastMachine")
     authenticator = DigestClientAuthenticator(store)  # type: ignore[arg-type]
     consent = ConsentPage(store, registration_budget(settings.register_per_minute),
@@ -232,7 +239,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     token = _ResourceCheckedToken(store, TokenHandler(store, authenticator))  # type: ignore[arg-type]
 
     def endpoint(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
-        return request_response(handler)
+        # Bodies bounded like the SDK's own routes (its RequestBodyLimitMiddleware).
+        return RequestBodyLimitMiddleware(request_response(handler), DEFAULT_MAX_REQUEST_BODY_SIZE)
 
     as_metadata = cors_middleware(MetadataHandler(metadata).handle, ["GET", "OPTIONS"])
     pr_metadata = cors_middleware(ProtectedResourceMetadataHandler(prm).handle, ["GET", "OPTIONS"])
@@ -244,7 +252,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/token", cors_middleware(token.handle, ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/register", cors_middleware(RegistrationHandler(store, options=registration).handle,  # type: ignore[arg-type]
                                            ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
-        Route("/revoke", cors_middleware(RevocationHandler(store, authenticator).handle,  # type: ignore[arg-type]
+        Route("/revoke", cors_middleware(_PublicClientRevocation(store, authenticator).handle,  # type: ignore[arg-type]
                                          ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/consent", endpoint(consent.show), methods=["GET"]),
         Route("/consent", endpoint(consent.decide), methods=["POST"]),
@@ -274,3 +282,17 @@ class _ResourceCheckedToken:
                                  "error_description": "resource must be " + self.store.resource},
                                 status_code=400, headers={"Cache-Control": "no-store"})
         return await self.inner.handle(request)
+
+
+class _PublicClientRevocation(RevocationHandler):
+    """The SDK's RFC 7009 handler, also for public clients (``token_endpoint_auth_method: none``).
+
+    Its request model requires a ``client_secret`` field even when the client has none; an absent
+    one is supplied as empty (client authentication has its own check, which ignores it for them).
+    """
+
+    async def handle(self, request: Request) -> Response:
+        form = await request.form()
+        if "client_secret" not in form:
+            request._form = FormData([*form.multi_items(), ("client_secret", "")])
+        return await super().handle(request)

@@ -21,6 +21,7 @@ import html
 import secrets
 from urllib.parse import urlsplit
 
+from mcp.server.auth.provider import construct_redirect_uri
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
@@ -29,7 +30,6 @@ from actors.web.agents import register_agent
 from infra.client_address import admission_key
 from infra.logs import get_logger
 from infra.ratelimit import Gcra
-from mcp.server.auth.provider import construct_redirect_uri
 from protocol.agents import hash_credential, validate_registration
 from protocol.errors import ApiError, BadRequest, Forbidden
 

@@ -37,11 +37,6 @@ from ipaddress import ip_address
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pydantic import AnyUrl, ValidationError
-from starlette.requests import Request
-
-from infra.db.pool import Database
-from infra.logs import get_logger
 from mcp.server.auth.middleware.client_auth import AuthenticationError, ClientAuthenticator
 from mcp.server.auth.provider import (
     AccessToken,
@@ -53,6 +48,11 @@ from mcp.server.auth.provider import (
     TokenError,
 )
 from mcp.shared.auth import InvalidRedirectUriError, OAuthClientInformationFull, OAuthToken
+from pydantic import AnyUrl, ValidationError
+from starlette.requests import Request
+
+from infra.db.pool import Database
+from infra.logs import get_logger
 
 log = get_logger("toastmachine.mcp.oauth")
 
