@@ -425,7 +425,7 @@ async def test_link_existing_agent_by_credential(front: Front) -> None:
     agent = await register_agent(front.db.pool, registration_budget(20), Registration(name="linked-one"), "10.0.0.1")
     async with httpx.AsyncClient() as http:
         client = await _register(http, front.base)
-        verifier, challenge = _pkce()
+        _, challenge = _pkce()
         r = await _authorize(http, front.base, client["client_id"], challenge)
         wrong = await _consent(http, r.headers["location"], credential="tm_wrong")
         assert wrong.status_code == 400

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,7 +29,7 @@ from infra.db import (
     ensure_identity,
     start_embedded,
 )
-from infra.exclusive import check_can_listen, hold_data_dir
+from infra.exclusive import check_can_listen, free_port, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from infra.runtime import Actor, ActorHealth, Supervisor
@@ -154,7 +155,12 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
         if web:
             check_can_listen(settings.host, settings.port)
         if mcp:
-            check_can_listen(settings.mcp_host, settings.mcp_port)
+            check_can_listen(settings.mcp_host, settings.mcp_port, host_var="TOASTMACHINE_MCP_HOST",
+                             port_var="TOASTMACHINE_MCP_PORT")
+            if settings.mcp_port == 0:
+                # The MCP front's URLs (its OAuth issuer, the front door's link to it) name its port,
+                # so port 0 is resolved to a free port once, here, before anything is built.
+                settings = dataclasses.replace(settings, mcp_port=free_port(settings.mcp_host))
         return await _serve(settings, actors=actors, web=web, allow_memory_bus=allow_memory_bus,
                             announce=announce, mcp=mcp)
 
@@ -228,7 +234,8 @@ def _announce(node: Node, supervisor: Supervisor, announce: Callable[[str], None
     bound = getattr(mcp, "bound_port", None)
     if bound is not None:
         mcp_url = (node.settings.mcp_public_url or f"http://{node.settings.mcp_host}:{bound}").rstrip("/") + "/mcp"
-        line = (line + f", MCP at {mcp_url}") if isinstance(web, WebFront) else f"ToastMachine MCP at {mcp_url}"
+        # After a space, never glued to the web URL: scripts read "listening on <url>" up to whitespace.
+        line = (line + f" and MCP at {mcp_url}") if isinstance(web, WebFront) else f"ToastMachine MCP at {mcp_url}"
     message = line + " (" + "; ".join(parts) + ")"
     log.info("node.ready", detail=message)
     if announce is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hmac
 import html
 import secrets
+import uuid
+from ipaddress import ip_address
 from urllib.parse import urlsplit
 
 from mcp.server.auth.provider import construct_redirect_uri
@@ -110,20 +112,19 @@ class ConsentPage:
             return _gone()
         return self._back(pending, code=code)
 
-    async def _agent(self, request: Request, fields: dict[str, str]) -> object:
+    async def _agent(self, request: Request, fields: dict[str, str]) -> uuid.UUID:
         if fields.get("mode") == "link":
             credential = fields.get("credential", "").strip()
             row = await self.store.db.pool.fetchrow("select agent_id from agents where credential_hash = $1",
                                                     hash_credential(credential)) if credential else None
             if row is None:
                 raise BadRequest("That credential is not recognised.", code="invalid_credential")
-            return row["agent_id"]
+            return uuid.UUID(str(row["agent_id"]))
         body: dict[str, str] = {"name": fields.get("name", "")}
         if fields.get("description"):
             body["description"] = fields["description"]
         registration = validate_registration(body)
         client = request.client.host if request.client else None
-        from ipaddress import ip_address
         key = admission_key(ip_address(client) if client else None)
         registered = await register_agent(self.store.db.pool, self.register_budget, registration, key)
         return registered.agent_id

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import socket
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
@@ -43,19 +45,24 @@ class McpFront(Actor):
         self._task: asyncio.Task[None] | None = None
 
     async def setup(self) -> None:
-        app = build_app(self.node.settings, self.node.db)
-        config = uvicorn.Config(app, host=self.host, port=self.port, lifespan="on", log_config=None,
-                                access_log=False, timeout_graceful_shutdown=int(self.node.settings.shutdown_grace))
+        # Bind first: with port 0 the issuer URL (which names the port) is known only after binding.
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.bound_port = sock.getsockname()[1]
+        settings = dataclasses.replace(self.node.settings, mcp_port=self.bound_port)
+        app = build_app(settings, self.node.db)
+        config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=int(settings.shutdown_grace))
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(), name="mcp-uvicorn")
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="mcp-uvicorn")
         # uvicorn reports readiness only through this flag; the task ending first is a failed start.
         while not self._server.started:
             if self._task.done():
                 self._task.result()
                 raise RuntimeError("the MCP front stopped while starting")
             await asyncio.sleep(0.02)
-        sockets = [s for server in self._server.servers for s in (server.sockets or [])]
-        self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
         self.log.info("mcp.listening", url=f"http://{self.host}:{self.bound_port}/mcp")
 
     async def stop_intake(self) -> None:

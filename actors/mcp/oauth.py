@@ -256,7 +256,7 @@ class OAuthStore:
         try:
             meta = row["metadata"]
             if not isinstance(meta, dict):
-                raise ValueError("metadata is not an object")
+                raise TypeError("metadata is not an object")
             for field in ("redirect_uris", "token_endpoint_auth_method", "grant_types", "scope"):
                 if field not in meta:
                     raise ValueError(f"{field} is missing")
