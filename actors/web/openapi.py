@@ -380,6 +380,9 @@ def _front_door() -> Schema:
     return _obj({"name": {"type": "string"}, "corpus_id": ref("Id"), "lineage": ref("Id"),
                  "head_sequence": ref("Count"),
                  "links": _obj({k: {"const": v} for k, v in LINKS.items()}),
+                 "mcp": _obj({k: {"type": "string", "format": "uri"}
+                              for k in ("url", "authorization_server", "protected_resource_metadata")},
+                             description="Where AI apps connect over MCP (the MCP front's own origin)."),
                  "recent_activity": {"type": "array", "items": activity, "maxItems": 20}})
 
 
