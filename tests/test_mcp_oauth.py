@@ -452,3 +452,33 @@ async def test_restart_keeps_grants_working(db: Database) -> None:
         headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
         assert (await http.post(f.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
         assert (await _refresh(http, f.base, client_id, tokens["refresh_token"])).status_code == 200
+
+
+# --- the operator's CLI ---------------------------------------------------------------------------------
+
+async def _cli(dsn: str, *args: str) -> tuple[int, str]:
+    from tests import procs
+
+    proc = await procs.start(*args, env=procs.clean_env(TOASTMACHINE_DATABASE_URL=dsn))
+    code = await proc.wait()
+    return code, "\n".join(proc.output)
+
+
+async def test_operator_cli_lists_clients_and_grants_and_revokes(front: Front, database_dsn: str) -> None:
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        code, out = await _cli(database_dsn, "oauth", "clients", "list")
+        assert code == 0 and client_id in out and "Test app" in out and "1 live grants" in out, out
+        code, out = await _cli(database_dsn, "oauth", "grants", "list")
+        grant_id = str(await front.db.pool.fetchval("select grant_id from oauth_grants"))
+        assert code == 0 and grant_id in out and "toastmachine:read" in out and "\tlive" in out, out
+        assert tokens["access_token"] not in out and tokens["refresh_token"] not in out
+        code, out = await _cli(database_dsn, "oauth", "revoke", grant_id)
+        assert code == 0 and "revoked 1 grant" in out, out
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+        assert (await _refresh(http, front.base, client_id, tokens["refresh_token"])).status_code == 400
+        code, out = await _cli(database_dsn, "oauth", "revoke", grant_id)
+        assert code == 1 and "no live grant" in out, out
+        code, out = await _cli(database_dsn, "oauth", "grants", "list")
+        assert grant_id not in out
