@@ -21,7 +21,6 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import httpx2
 import pytest
-import uvicorn
 from mcp.client.auth import OAuthClientProvider, TokenStorage
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -33,7 +32,7 @@ from mcp.shared.auth import (
 )
 
 from actors.mcp.app import build_app
-from actors.mcp.front import _Server
+from actors.mcp.front import make_server
 from infra.config import Settings
 from infra.db.pool import Database
 
@@ -55,8 +54,7 @@ class Front:
 @contextlib.asynccontextmanager
 async def serve(db: Database, port: int) -> AsyncIterator[Front]:
     settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
-    server = _Server(uvicorn.Config(build_app(settings, db), host="127.0.0.1", port=port, lifespan="on",
-                                    log_config=None, access_log=False))
+    server = make_server(build_app(settings, db), host="127.0.0.1", port=port)
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(20):
         while not server.started:
@@ -366,8 +364,7 @@ async def test_read_only_token_calling_write_scoped_tool_gets_403_challenge(db: 
 
     port = _free_port()
     settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
-    server = _Server(uvicorn.Config(build_app(settings, db, tools=tools), host="127.0.0.1", port=port,
-                                    lifespan="on", log_config=None, access_log=False))
+    server = make_server(build_app(settings, db, tools=tools), host="127.0.0.1", port=port)
     task = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(20):
@@ -482,3 +479,31 @@ async def test_operator_cli_lists_clients_and_grants_and_revokes(front: Front, d
         assert code == 1 and "no live grant" in out, out
         code, out = await _cli(database_dsn, "oauth", "grants", "list")
         assert grant_id not in out
+
+
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+async def test_both_protocol_revisions_on_one_endpoint(front: Front) -> None:
+    """2026-07-28 (stateless: server/discover, then a call with the routing headers) and 2025-11-25
+    (initialize) from the same /mcp; whoami answers from the grant either way; answers are no-store."""
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        modern = {**auth, "MCP-Protocol-Version": "2026-07-28"}
+        r = await http.post(front.base + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "server/discover",
+                                                       "params": {"_meta": META}},
+                            headers={**modern, "Mcp-Method": "server/discover"})
+        assert r.status_code == 200, r.text
+        assert "2026-07-28" in r.json()["result"]["supportedVersions"]
+        assert r.headers["cache-control"] == "no-store" and r.headers["server"] == "ToastMachine"
+        r = await http.post(front.base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                                       "params": {"name": "whoami", "arguments": {}, "_meta": META}},
+                            headers={**modern, "Mcp-Method": "tools/call", "Mcp-Name": "whoami"})
+        assert r.status_code == 200, r.text
+        agent = r.json()["result"]["structuredContent"]["agent"]
+        grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
+        assert agent["agent_id"] == str(grant_agent)
+        r = await http.post(front.base + "/mcp", json=_INIT, headers=auth)
+        assert r.status_code == 200, r.text
+        assert "2025-11-25" in r.text and r.headers["cache-control"] == "no-store"

@@ -47,6 +47,7 @@ from mcp.shared.auth import ProtectedResourceMetadata
 from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
+from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -181,6 +182,22 @@ class _ScopeGate:
         return None
 
 
+class _ServerHeader:
+    """``Server: ToastMachine`` on every answer, like the web front (no framework or version)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"server"]
+                message = {**message, "headers": [*headers, (b"server", b"ToastMachine")]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
 class _NoStore:
     """``Cache-Control: no-store`` on every answer of the token-gated endpoint."""
 
@@ -264,7 +281,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         async with server.session_manager.run():
             yield
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_ServerHeader)])
 
 
 class _ResourceCheckedToken:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import socket
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -30,6 +30,15 @@ class _Server(uvicorn.Server):
         yield
 
 
+def make_server(app: Any, *, grace: float = 10.0, **listen: Any) -> uvicorn.Server:
+    """A uvicorn server for ``app`` with our settings: no signal capture, no access log (a request line
+    could carry a consent handle), no ``Server: uvicorn`` (the app says ``ToastMachine``). ``listen``:
+    ``host``/``port`` for uvicorn to bind, or nothing when :meth:`uvicorn.Server.serve` gets sockets."""
+    config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False, server_header=False,
+                            timeout_graceful_shutdown=int(grace), **listen)
+    return _Server(config)
+
+
 class McpFront(Actor):
     """Serves the MCP endpoint and the OAuth authorization server over HTTP (uvicorn)."""
 
@@ -41,7 +50,7 @@ class McpFront(Actor):
         self.host = host
         self.port = port
         self.bound_port: int | None = None
-        self._server: _Server | None = None
+        self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def setup(self) -> None:
@@ -53,9 +62,7 @@ class McpFront(Actor):
         self.bound_port = sock.getsockname()[1]
         settings = dataclasses.replace(self.node.settings, mcp_port=self.bound_port)
         app = build_app(settings, self.node.db)
-        config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=int(settings.shutdown_grace))
-        self._server = _Server(config)
+        self._server = make_server(app, grace=settings.shutdown_grace)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="mcp-uvicorn")
         # uvicorn reports readiness only through this flag; the task ending first is a failed start.
         while not self._server.started:
