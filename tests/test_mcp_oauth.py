@@ -507,3 +507,59 @@ async def test_both_protocol_revisions_on_one_endpoint(front: Front) -> None:
         r = await http.post(front.base + "/mcp", json=_INIT, headers=auth)
         assert r.status_code == 200, r.text
         assert "2025-11-25" in r.text and r.headers["cache-control"] == "no-store"
+
+
+async def test_expired_code_and_another_clients_code_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        other = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, client["client_id"], challenge)
+        r = await _exchange(http, front.base, other["client_id"], code, verifier)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+        await front.db.pool.execute("update oauth_codes set expires_at = now() - interval '1 second'")
+        r = await _exchange(http, front.base, client["client_id"], code, verifier)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+    assert await front.db.pool.fetchval("select count(*) from oauth_tokens") == 0
+
+
+async def test_token_for_another_audience_is_401(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        await front.db.pool.execute("update oauth_grants set resource = 'https://other.example/mcp'")
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+
+
+async def test_no_secret_is_ever_logged(db: Database, capsys: pytest.CaptureFixture[str],
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    secrets_seen: list[str] = []
+    async with serve(db, _free_port()) as f, httpx.AsyncClient() as http:
+        client = await _register(http, f.base, token_endpoint_auth_method="client_secret_post")
+        secrets_seen.append(client["client_secret"])
+        verifier, challenge = _pkce()
+        r = await _authorize(http, f.base, client["client_id"], challenge)
+        consent_url = r.headers["location"]
+        secrets_seen.append(parse_qs(urlsplit(consent_url).query)["request"][0])
+        back = await _consent(http, consent_url)
+        code = parse_qs(urlsplit(back.headers["location"]).query)["code"][0]
+        secrets_seen += [code, http.cookies["tm_consent_csrf"]]
+        r = await _exchange(http, f.base, client["client_id"], code, verifier, client_secret=client["client_secret"])
+        assert r.status_code == 200, r.text
+        tokens = r.json()
+        secrets_seen += [tokens["access_token"], tokens["refresh_token"]]
+        await _exchange(http, f.base, client["client_id"], code, verifier, client_secret=client["client_secret"])
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}x"}
+        await http.post(f.base + "/mcp", json=_INIT, headers=headers)
+    # Everything the server side logged (the test's own HTTP client logs its URLs: not ours).
+    server_records = "\n".join(f"{r.name} {r.getMessage()} {r.args}" for r in caplog.records
+                               if not r.name.startswith(("httpx", "httpcore")))
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err + server_records
+    assert "oauth.code_exchanged" in logged  # the logs are there ...
+    for secret in secrets_seen:
+        assert secret not in logged  # ... without any secret in them
+    stored = await db.pool.fetch("select metadata::text as m from oauth_clients")
+    assert all(client["client_secret"] not in row["m"] for row in stored)
