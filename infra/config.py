@@ -76,6 +76,8 @@ class Settings:
     mcp_port: int = 8081
     #: Public base URL of the MCP front: the OAuth issuer, with the protected resource at <it>/mcp.
     mcp_public_url: str | None = None
+    #: Authorization requests per client address per minute, on all MCP nodes together.
+    mcp_authorize_per_minute: int = 30
     #: This process's name in logs, pong replies and per-node queues.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -136,6 +138,8 @@ class Settings:
             mcp_host=get("MCP_HOST", lambda _v, raw: raw, d.mcp_host),
             mcp_port=get("MCP_PORT", _int(0, 65535), d.mcp_port),
             mcp_public_url=get("MCP_PUBLIC_URL", _public_origin, None),
+            mcp_authorize_per_minute=get("MCP_AUTHORIZE_PER_MINUTE", _int(1, 1_000_000),
+                                         d.mcp_authorize_per_minute),
             node_id=get("NODE_ID", _node_id, d.node_id),
         )
 

@@ -52,8 +52,8 @@ class Front:
 
 
 @contextlib.asynccontextmanager
-async def serve(db: Database, port: int) -> AsyncIterator[Front]:
-    settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
+async def serve(db: Database, port: int, **settings_kw: int) -> AsyncIterator[Front]:
+    settings = Settings(mcp_host="127.0.0.1", mcp_port=port, **settings_kw)  # type: ignore[arg-type]
     server = make_server(build_app(settings, db), host="127.0.0.1", port=port)
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(20):
@@ -563,3 +563,17 @@ async def test_no_secret_is_ever_logged(db: Database, capsys: pytest.CaptureFixt
         assert secret not in logged  # ... without any secret in them
     stored = await db.pool.fetch("select metadata::text as m from oauth_clients")
     assert all(client["client_secret"] not in row["m"] for row in stored)
+
+
+async def test_authorization_requests_are_rate_limited_per_address(db: Database) -> None:
+    async with serve(db, _free_port(), mcp_authorize_per_minute=3) as f, httpx.AsyncClient() as http:
+        client = await _register(http, f.base)
+        _, challenge = _pkce()
+        for _ in range(3):
+            assert (await _authorize(http, f.base, client["client_id"], challenge)).status_code == 302
+        # A forwarding header from an untrusted peer names no other client: still the same budget.
+        http.headers["X-Forwarded-For"] = "203.0.113.9"
+        r = await _authorize(http, f.base, client["client_id"], challenge)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "rate_limited"
+    assert await db.pool.fetchval("select count(*) from oauth_pending") == 3

@@ -54,6 +54,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.consent import ConsentPage
 from actors.mcp.grants import check_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
@@ -252,7 +253,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
                                     scopes_supported=list(SCOPES), resource_name="ToastMachine")
     authenticator = DigestClientAuthenticator(store)  # type: ignore[arg-type]
     consent = ConsentPage(store, registration_budget(settings.register_per_minute),
-                          secure_cookie=issuer.startswith("https:"))
+                          secure_cookie=issuer.startswith("https:"), trusted=settings.trusted_proxies)
+    limiter = AuthorizeLimiter(db, settings.mcp_authorize_per_minute, settings.trusted_proxies)
     token = _ResourceCheckedToken(store, TokenHandler(store, authenticator))  # type: ignore[arg-type]
 
     def endpoint(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
@@ -265,7 +267,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
-        Route("/authorize", endpoint(AuthorizationHandler(store).handle), methods=["GET", "POST"]),  # type: ignore[arg-type]
+        Route("/authorize", endpoint(_LimitedAuthorize(limiter, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
+              methods=["GET", "POST"]),
         Route("/token", cors_middleware(token.handle, ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/register", cors_middleware(RegistrationHandler(store, options=registration).handle,  # type: ignore[arg-type]
                                            ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
@@ -282,6 +285,18 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
             yield
 
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_ServerHeader)])
+
+
+class _LimitedAuthorize:
+    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it)."""
+
+    def __init__(self, limiter: AuthorizeLimiter, inner: AuthorizationHandler) -> None:
+        self.limiter = limiter
+        self.inner = inner
+
+    async def handle(self, request: Request) -> Response:
+        refused = await self.limiter.refuse(request)
+        return refused if refused is not None else await self.inner.handle(request)
 
 
 class _ResourceCheckedToken:

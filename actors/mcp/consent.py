@@ -11,6 +11,8 @@ CSRF: the page sets a random token both as an HttpOnly, SameSite=Strict cookie a
 and stores its digest with the pending request; a POST must carry the same value in both, matching
 the digest. The page has no script and its one style is allowed by a per-response nonce.
 
+The new agent is charged to the client address like ``POST /register`` (trusted proxies honoured).
+
 Not there yet: an agent created here gets no credential to see (it acts only through MCP grants).
 """
 
@@ -20,16 +22,16 @@ import hmac
 import html
 import secrets
 import uuid
-from ipaddress import ip_address
 from urllib.parse import urlsplit
 
 from mcp.server.auth.provider import construct_redirect_uri
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from actors.mcp.admission import request_address
 from actors.mcp.oauth import SCOPE_READ, SCOPE_WRITE, OAuthStore, PendingRequest
 from actors.web.agents import register_agent
-from infra.client_address import admission_key
+from infra.client_address import TrustedProxies, admission_key
 from infra.logs import get_logger
 from infra.ratelimit import Gcra
 from protocol.agents import hash_credential, validate_registration
@@ -62,8 +64,10 @@ def _gone() -> JSONResponse:
 class ConsentPage:
     """The two endpoints of the consent page, bound to the store and the registration budget."""
 
-    def __init__(self, store: OAuthStore, register_budget: Gcra, *, secure_cookie: bool) -> None:
+    def __init__(self, store: OAuthStore, register_budget: Gcra, *, secure_cookie: bool,
+                 trusted: TrustedProxies) -> None:
         self.store = store
+        self.trusted = trusted
         self.register_budget = register_budget
         self.secure_cookie = secure_cookie
 
@@ -124,8 +128,7 @@ class ConsentPage:
         if fields.get("description"):
             body["description"] = fields["description"]
         registration = validate_registration(body)
-        client = request.client.host if request.client else None
-        key = admission_key(ip_address(client) if client else None)
+        key = admission_key(request_address(request, self.trusted))
         registered = await register_agent(self.store.db.pool, self.register_budget, registration, key)
         return registered.agent_id
 

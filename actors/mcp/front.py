@@ -32,10 +32,12 @@ class _Server(uvicorn.Server):
 
 def make_server(app: Any, *, grace: float = 10.0, **listen: Any) -> uvicorn.Server:
     """A uvicorn server for ``app`` with our settings: no signal capture, no access log (a request line
-    could carry a consent handle), no ``Server: uvicorn`` (the app says ``ToastMachine``). ``listen``:
+    could carry a consent handle), no ``Server: uvicorn`` (the app says ``ToastMachine``), and no
+    rewriting of the client address from forwarding headers (uvicorn believes them from loopback by
+    default; ours are believed only from ``TOASTMACHINE_TRUSTED_PROXIES``). ``listen``:
     ``host``/``port`` for uvicorn to bind, or nothing when :meth:`uvicorn.Server.serve` gets sockets."""
     config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False, server_header=False,
-                            timeout_graceful_shutdown=int(grace), **listen)
+                            proxy_headers=False, timeout_graceful_shutdown=int(grace), **listen)
     return _Server(config)
 
 

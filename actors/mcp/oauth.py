@@ -21,8 +21,10 @@ requests (authorize, token, register, revoke) and call it; every decision is mad
 
 Every secret is stored as its SHA-256 digest only, and none is ever logged.
 
-Not there yet (issue #10): Client ID Metadata Documents, the per-address rate limit on authorization
-requests, and the bounded background cleanup of expired rows (expired rows are refused, not deleted).
+Authorization requests are rate-limited per client address (:mod:`actors.mcp.admission`).
+
+Not there yet (issue #10): Client ID Metadata Documents, and the bounded background cleanup of
+expired rows (expired rows are refused, never used, but not yet deleted).
 """
 
 from __future__ import annotations

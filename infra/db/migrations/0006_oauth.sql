@@ -64,3 +64,12 @@ create table oauth_tokens (
 );
 create index oauth_tokens_grant on oauth_tokens (grant_id);
 create index oauth_tokens_expires on oauth_tokens (expires_at);
+
+-- Per-address budget of authorization requests (TOASTMACHINE_MCP_AUTHORIZE_PER_MINUTE), the GCRA of
+-- migration 0005: one statement charges it, so any number of MCP nodes share the limit. Rows whose
+-- tat is past carry no state; each charge deletes a few of them.
+create table oauth_authorize_budget (
+    address inet primary key,
+    tat     timestamptz not null
+);
+create index oauth_authorize_budget_tat on oauth_authorize_budget (tat);
