@@ -577,3 +577,24 @@ async def test_authorization_requests_are_rate_limited_per_address(db: Database)
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "rate_limited"
     assert await db.pool.fetchval("select count(*) from oauth_pending") == 3
+
+
+async def test_cleanup_deletes_only_rows_long_expired_in_bounded_batches(front: Front) -> None:
+    from actors.mcp.cleanup import delete_expired
+
+    async with httpx.AsyncClient() as http:
+        for _ in range(3):
+            await _tokens(http, front.base)
+    pool = front.db.pool
+    # Two token pairs long expired, one just expired (kept for reuse detection), one pair live.
+    await pool.execute("update oauth_tokens set expires_at = now() - interval '2 days' where grant_id in"
+                       " (select grant_id from oauth_grants order by created_at limit 2)")
+    await pool.execute("update oauth_tokens set expires_at = now() - interval '1 minute' where grant_id ="
+                       " (select grant_id from oauth_grants order by created_at offset 2 limit 1) and kind = 'access'")
+    await pool.execute("update oauth_codes set expires_at = now() - interval '2 days'")
+    assert await delete_expired(front.db, batch=1) == 2  # one code, one token: bounded per table
+    assert await delete_expired(front.db, batch=100) == 2 + 3
+    assert await delete_expired(front.db, batch=100) == 0
+    left = await pool.fetch("select kind, expires_at > now() as live from oauth_tokens order by kind")
+    assert [(r["kind"], r["live"]) for r in left] == [("access", False), ("refresh", True)]
+    assert await pool.fetchval("select count(*) from oauth_grants") == 3

@@ -17,10 +17,16 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from actors.mcp.app import build_app
+from actors.mcp.cleanup import BATCH, delete_expired
 from infra.runtime import Actor
 
 if TYPE_CHECKING:
     from toastmachine.node import Node
+
+
+#: Seconds between passes of the expired-row cleanup, and the longest wait after failed passes.
+CLEANUP_INTERVAL = 300.0
+CLEANUP_MAX_BACKOFF = 3600.0
 
 
 class _Server(uvicorn.Server):
@@ -73,6 +79,25 @@ class McpFront(Actor):
                 raise RuntimeError("the MCP front stopped while starting")
             await asyncio.sleep(0.02)
         self.log.info("mcp.listening", url=f"http://{self.host}:{self.bound_port}/mcp")
+
+    async def run(self) -> None:
+        """Serve until stopped, deleting expired OAuth rows meanwhile (:mod:`actors.mcp.cleanup`)."""
+        delay = CLEANUP_INTERVAL
+        while not self._stop_requested.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_requested.wait(), delay)
+            if self._stop_requested.is_set():
+                break
+            try:
+                deleted = await delete_expired(self.node.db)
+            except Exception as e:  # noqa: BLE001 - a failed pass deletes nothing live; try again later
+                delay = min(delay * 2, CLEANUP_MAX_BACKOFF)
+                self.log.warning("mcp.cleanup_failed", error=type(e).__name__, retry_in=delay)
+                continue
+            # A full batch means more is waiting: go again soon; otherwise back to the normal pace.
+            delay = 1.0 if deleted >= BATCH else CLEANUP_INTERVAL
+            if deleted:
+                self.log.info("mcp.cleanup", deleted=deleted)
 
     async def stop_intake(self) -> None:
         if self._server is not None:

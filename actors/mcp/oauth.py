@@ -23,8 +23,9 @@ Every secret is stored as its SHA-256 digest only, and none is ever logged.
 
 Authorization requests are rate-limited per client address (:mod:`actors.mcp.admission`).
 
-Not there yet (issue #10): Client ID Metadata Documents, and the bounded background cleanup of
-expired rows (expired rows are refused, never used, but not yet deleted).
+Expired rows are deleted in bounded batches by the MCP front (:mod:`actors.mcp.cleanup`).
+
+Not there yet (issue #10): Client ID Metadata Documents (an https ``client_id`` URL).
 """
 
 from __future__ import annotations
