@@ -598,3 +598,19 @@ async def test_cleanup_deletes_only_rows_long_expired_in_bounded_batches(front: 
     left = await pool.fetch("select kind, expires_at > now() as live from oauth_tokens order by kind")
     assert [(r["kind"], r["live"]) for r in left] == [("access", False), ("refresh", True)]
     assert await pool.fetchval("select count(*) from oauth_grants") == 3
+
+
+async def test_corrupted_pending_request_and_token_records_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        await front.db.pool.execute("update oauth_pending set params = params - 'code_challenge'")
+        page = await http.get(r.headers["location"])
+        assert page.status_code == 400 and page.json()["error"]["code"] == "authorization_request_invalid"
+        # A read-only grant whose token row was widened to write: the token is refused outright.
+        _, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        await front.db.pool.execute("update oauth_tokens set scopes = array['toastmachine:read', 'toastmachine:write']")
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
