@@ -112,6 +112,9 @@ async def test_negotiation_browser_gets_html_unknown_types_get_406(stack: Stack)
     resp = await stack.client.get("/", headers={"Accept": BROWSER_ACCEPT})
     assert resp.status == 200 and resp.content_type == "text/html"
     assert resp.charset == "utf-8" and resp.headers["Vary"] == "Accept"
+    # The page tells a person where to connect an AI app (the MCP front's URL).
+    mcp_url = Settings().mcp_base_url + "/mcp"
+    assert f'<a id="mcp-url" href="{mcp_url}">{mcp_url}</a>' in await resp.text()
     resp = await stack.client.get("/", headers={"Accept": "application/json;q=0.5, text/html"})
     assert resp.content_type == "text/html"
     resp = await stack.client.get("/", headers={"Accept": "text/html;q=0.5, application/json"})
