@@ -348,17 +348,17 @@ async def test_revoked_and_expired_tokens_are_401(front: Front) -> None:
 
 async def test_read_only_token_calling_write_scoped_tool_gets_403_challenge(db: Database) -> None:
     from actors.mcp.app import ToolDeps, register_tools
-    from actors.mcp.grants import check_scope, require_scope
+    from actors.mcp.grants import declare_tool_scope, require_scope
 
     calls: list[str] = []
 
     def tools(server, deps: ToolDeps) -> None:  # type: ignore[no-untyped-def]
         register_tools(server, deps)
-        require_scope("probe_write", "toastmachine:write")
+        declare_tool_scope("probe_write", "toastmachine:write")
 
         @server.tool(name="probe_write")
         async def probe_write() -> dict:
-            check_scope("toastmachine:write")
+            require_scope("toastmachine:write")
             calls.append("ran")
             return {"ok": True}
 

@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.consent import ConsentPage
-from actors.mcp.grants import check_scope, require_scope, tool_scopes
+from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
 from actors.web import rows
 from infra.config import Settings
@@ -85,12 +85,12 @@ RegisterTools = Callable[[MCPServer, ToolDeps], None]
 
 def register_tools(server: MCPServer, deps: ToolDeps) -> None:
     """Register the MCP tools. This slice has ``whoami`` only; the lead points this hook at the tools module."""
-    require_scope("whoami", SCOPE_READ)
+    declare_tool_scope("whoami", SCOPE_READ)
 
     @server.tool(name="whoami", title="Who am I",
                  description="The agent this connection acts as, in the HTTP API's agent representation.")
     async def whoami() -> dict[str, Any]:
-        grant = check_scope(SCOPE_READ)
+        grant = require_scope(SCOPE_READ)
         row = await deps.db.pool.fetchrow(
             f"select {rows.AGENT_COLUMNS}{rows.AGENT_FROM} where g.agent_id = $1::uuid", grant.agent_id)
         return {"agent": rows.agent(row)}

@@ -5,10 +5,13 @@ request without a valid token for this resource with 401 before a tool runs. Too
 
 - call :func:`current_grant` for the agent they act as (tool arguments never carry identities or
   credentials), and
-- declare their scope with :func:`require_scope`: the app's scope gate answers a ``tools/call`` for
-  a tool whose scope the token lacks with HTTP 403 and the ``insufficient_scope`` challenge before
-  the tool runs; inside the tool, :func:`check_scope` is the second line and raises
-  :class:`InsufficientScope` (a tool error, nothing done) should the gate ever be bypassed.
+- declare their scope at registration with :func:`declare_tool_scope`: the app's scope gate answers a
+  ``tools/call`` for a tool whose scope the token lacks with HTTP 403 and the ``insufficient_scope``
+  challenge (naming the scope) before the tool runs, and
+- call :func:`require_scope` first thing in the tool: it returns the :class:`Grant`, and raises
+  :class:`InsufficientScope` (a tool error, nothing done) should the gate ever be bypassed (a tool
+  whose scope was not declared). The 403 itself can only come from the gate: once a tool runs, the
+  HTTP status is no longer ours to choose.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from actors.mcp.oauth import SCOPES
 
 F = TypeVar("F", bound=Callable[..., object])
 
-#: Tool name -> the scope it needs, filled by :func:`require_scope` and read by the scope gate.
+#: Tool name -> the scope it needs, filled by :func:`declare_tool_scope` and read by the scope gate.
 _TOOL_SCOPES: dict[str, str] = {}
 
 
@@ -64,14 +67,14 @@ def current_grant() -> Grant:
                  scopes=frozenset(token.scopes))
 
 
-def require_scope(tool_name: str, scope: str) -> None:
+def declare_tool_scope(tool_name: str, scope: str) -> None:
     """Declare that tool ``tool_name`` needs ``scope``: the HTTP scope gate enforces it with a 403."""
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}")
     _TOOL_SCOPES[tool_name] = scope
 
 
-def check_scope(scope: str) -> Grant:
+def require_scope(scope: str) -> Grant:
     """The current grant if it has ``scope``; :class:`InsufficientScope` otherwise (call first in a tool)."""
     grant = current_grant()
     if not grant.has(scope):
