@@ -90,6 +90,14 @@ class Settings:
     #: Milliseconds a writer waits for more commands before committing a batch that is not full;
     #: 0 commits whatever is waiting at once (batches still form while a transaction runs).
     writer_linger_ms: float = 0.0
+    #: Address the MCP front binds to.
+    mcp_host: str = "127.0.0.1"
+    #: Port the MCP front binds to (0 picks a free one).
+    mcp_port: int = 8081
+    #: Public base URL of the MCP front: the OAuth issuer, with the protected resource at <it>/mcp.
+    mcp_public_url: str | None = None
+    #: Authorization requests per client address per minute, on all MCP nodes together.
+    mcp_authorize_per_minute: int = 30
     #: This process's name in logs, pong replies and per-node queues.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -99,6 +107,13 @@ class Settings:
         if self.public_url:
             return self.public_url.rstrip("/")
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def mcp_base_url(self) -> str:
+        """The MCP front's public origin (the OAuth issuer) without a trailing slash."""
+        if self.mcp_public_url:
+            return self.mcp_public_url.rstrip("/")
+        return f"http://{self.mcp_host}:{self.mcp_port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -148,6 +163,11 @@ class Settings:
             http_read_timeout=get("HTTP_READ_TIMEOUT", _float(0.05, 3600), d.http_read_timeout),
             writer_max_batch=get("WRITER_MAX_BATCH", _int(1, 10_000), d.writer_max_batch),
             writer_linger_ms=get("WRITER_LINGER_MS", _float(0, 1000), d.writer_linger_ms),
+            mcp_host=get("MCP_HOST", lambda _v, raw: raw, d.mcp_host),
+            mcp_port=get("MCP_PORT", _int(0, 65535), d.mcp_port),
+            mcp_public_url=get("MCP_PUBLIC_URL", _public_origin, None),
+            mcp_authorize_per_minute=get("MCP_AUTHORIZE_PER_MINUTE", _int(1, 1_000_000),
+                                         d.mcp_authorize_per_minute),
             node_id=get("NODE_ID", _node_id, d.node_id),
         )
 
@@ -272,3 +292,13 @@ def _node_id(var: str, raw: str) -> str:
     if len(raw) > 64 or not all(c.isalnum() or c in "-_." for c in raw):
         raise ConfigError(f"{var} must be 1-64 letters, digits, '-', '_' or '.', got {raw!r}")
     return raw
+
+
+def _public_origin(var: str, raw: str) -> str:
+    # The OAuth issuer: an http(s) origin with no path, query or fragment (RFC 8414 §2), so that
+    # path-inserted and root metadata are the same document and the resource is exactly <it>/mcp.
+    _url("http", "https")(var, raw)
+    parts = urlsplit(raw)
+    if parts.path not in ("", "/") or parts.query or parts.fragment or not parts.hostname:
+        raise ConfigError(f"{var} must be an origin such as https://mcp.example.org, without path or query")
+    return raw.rstrip("/")

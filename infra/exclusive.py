@@ -61,8 +61,10 @@ def hold_data_dir(data_dir: Path) -> Iterator[Path]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def check_can_listen(host: str, port: int) -> None:
-    """Fail now, with one sentence, if the web front could not listen on ``host:port``.
+def check_can_listen(host: str, port: int, *, host_var: str = "TOASTMACHINE_HOST",
+                     port_var: str = "TOASTMACHINE_PORT") -> None:
+    """Fail now, with one sentence, if the web front (or, with its variables named, the MCP front)
+    could not listen on ``host:port``.
 
     Raises AlreadyInUse when another process listens there, ConfigError (naming the variable) when
     the address cannot be used on this machine at all (unknown host, not a local address, a
@@ -71,7 +73,7 @@ def check_can_listen(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise ConfigError(f"TOASTMACHINE_HOST={host!r} does not resolve ({e.strerror})") from None
+        raise ConfigError(f"{host_var}={host!r} does not resolve ({e.strerror})") from None
     for family, kind, proto, _name, address in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -81,6 +83,14 @@ def check_can_listen(host: str, port: int) -> None:
                 if e.errno == errno.EADDRINUSE:
                     raise AlreadyInUse(
                         f"port {port} on {host} is already in use by another process; stop it, or set "
-                        f"TOASTMACHINE_PORT to a free port (0 picks one)") from None
-                variable = "TOASTMACHINE_PORT" if e.errno == errno.EACCES else "TOASTMACHINE_HOST"
+                        f"{port_var} to a free port (0 picks one)") from None
+                variable = port_var if e.errno == errno.EACCES else host_var
                 raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); check {variable}") from None
+
+
+def free_port(host: str) -> int:
+    """A port that is free on ``host`` now (the OS's pick for port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

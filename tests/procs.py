@@ -18,8 +18,13 @@ LISTEN_RE = re.compile(r"listening on (http://\S+)")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The parent's environment minus every TOASTMACHINE_* variable, plus ``extra``."""
+    """The parent's environment minus every TOASTMACHINE_* variable, plus ``extra``.
+
+    The MCP front listens on a free port unless ``extra`` says otherwise (``toastmachine up`` starts it
+    too, and a fixed default port would make concurrent test processes collide).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOASTMACHINE_")}
+    env["TOASTMACHINE_MCP_PORT"] = "0"
     env.update(extra)
     return env
 

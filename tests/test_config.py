@@ -87,3 +87,15 @@ def test_cli_stops_with_the_variable_name(tmp_path: Path) -> None:
     assert "TOASTMACHINE_PORT" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "postgres").exists()
+
+
+def test_mcp_settings_and_their_public_origin() -> None:
+    s = Settings.from_env({"TOASTMACHINE_MCP_PORT": "9091"})
+    assert s.mcp_port == 9091 and s.mcp_base_url == "http://127.0.0.1:9091"
+    s = Settings.from_env({"TOASTMACHINE_MCP_PUBLIC_URL": "https://mcp.example.org/"})
+    assert s.mcp_base_url == "https://mcp.example.org"
+    for bad in ("https://mcp.example.org/mcp", "https://mcp.example.org?x=1", "ftp://mcp.example.org"):
+        with pytest.raises(ConfigError, match="TOASTMACHINE_MCP_PUBLIC_URL"):
+            Settings.from_env({"TOASTMACHINE_MCP_PUBLIC_URL": bad})
+    with pytest.raises(ConfigError, match="TOASTMACHINE_MCP_PORT"):
+        Settings.from_env({"TOASTMACHINE_MCP_PORT": "70000"})

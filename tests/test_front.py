@@ -10,6 +10,7 @@ import orjson
 
 from actors.web.front import EXCERPT, RECENT
 from actors.web.stream import HUB
+from infra.config import Settings
 from tests.browser import Page, chromium
 from tests.corpus_fixtures import Stack
 from tests.test_stream import publishing
@@ -67,6 +68,10 @@ async def test_json_is_the_default_with_identity_links_and_recent_activity(stack
                                  "corpus": "/corpus",
                                  "changes": "/corpus/changes.jsonl", "snapshot": "/corpus/snapshot.jsonl",
                                  "stream": "/corpus/stream", "healthz": "/healthz"}
+        # The MCP front has its own origin (TOASTMACHINE_MCP_PUBLIC_URL): its links are absolute.
+        mcp_base = Settings().mcp_base_url
+        assert body["mcp"] == {"url": mcp_base + "/mcp", "authorization_server": mcp_base,
+                               "protected_resource_metadata": mcp_base + "/.well-known/oauth-protected-resource/mcp"}
         recent = body["recent_activity"]
         assert [r["sequence"] for r in recent] == [m["sequence"] for m in reversed(appended)][:RECENT]
         newest = recent[0]
@@ -107,6 +112,9 @@ async def test_negotiation_browser_gets_html_unknown_types_get_406(stack: Stack)
     resp = await stack.client.get("/", headers={"Accept": BROWSER_ACCEPT})
     assert resp.status == 200 and resp.content_type == "text/html"
     assert resp.charset == "utf-8" and resp.headers["Vary"] == "Accept"
+    # The page tells a person where to connect an AI app (the MCP front's URL).
+    mcp_url = Settings().mcp_base_url + "/mcp"
+    assert f'<a id="mcp-url" href="{mcp_url}">{mcp_url}</a>' in await resp.text()
     resp = await stack.client.get("/", headers={"Accept": "application/json;q=0.5, text/html"})
     assert resp.content_type == "text/html"
     resp = await stack.client.get("/", headers={"Accept": "text/html;q=0.5, application/json"})

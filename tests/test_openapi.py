@@ -113,7 +113,9 @@ def test_document_is_served_with_an_etag_and_304() -> None:
 
     async def run() -> None:
         app = make_app(test_node(cast(Database, None), cast(Bus, None), {"TOASTMACHINE_PUBLIC_URL":
-                                                                          "https://corpus.example"}))
+                                                                          "https://corpus.example",
+                                                                          "TOASTMACHINE_MCP_PUBLIC_URL":
+                                                                          "https://mcp.corpus.example"}))
         app.cleanup_ctx.clear()  # the hub would connect to the bus: this test serves no stream
         app.on_shutdown.clear()
         client = TestClient(TestServer(app))
@@ -123,6 +125,9 @@ def test_document_is_served_with_an_etag_and_304() -> None:
             assert resp.status == 200 and resp.content_type == "application/json"
             body = await resp.json()
             assert body["servers"] == [{"url": "https://corpus.example"}]
+            # Where AI apps connect: the MCP front's own origin.
+            assert body["x-mcp"]["url"] == "https://mcp.corpus.example/mcp"
+            assert body["x-mcp"]["authorization_server"] == "https://mcp.corpus.example"
             etag = resp.headers["ETag"]
             again = await client.get("/openapi.json", headers={"If-None-Match": etag})
             assert again.status == 304 and again.headers["ETag"] == etag

@@ -60,7 +60,13 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 def cmd_up(settings: Settings, args: argparse.Namespace) -> int:
     """Every actor and the web front in one process; embedded database and in-process bus by default."""
     return _run(serve(settings, actors=list(ACTORS), web=True, allow_memory_bus=True,
-                      announce=_announcer(settings)))
+                      announce=_announcer(settings), mcp=True))
+
+
+def cmd_mcp(settings: Settings, args: argparse.Namespace) -> int:
+    """The MCP front alone (MCP endpoint and OAuth authorization server); needs TOASTMACHINE_AMQP_URL."""
+    return _run(serve(settings, actors=[], web=False, allow_memory_bus=False,
+                      announce=_announcer(settings), mcp=True))
 
 
 def cmd_web(settings: Settings, args: argparse.Namespace) -> int:
@@ -316,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("up", help=cmd_up.__doc__).set_defaults(func=cmd_up)
     sub.add_parser("web", help=cmd_web.__doc__).set_defaults(func=cmd_web)
+    sub.add_parser("mcp", help=cmd_mcp.__doc__).set_defaults(func=cmd_mcp)
     run = sub.add_parser("run", help=cmd_run.__doc__)
     run.add_argument("actor", choices=sorted(ACTORS), help="the actor to run")
     run.set_defaults(func=cmd_run)
@@ -337,7 +344,65 @@ def build_parser() -> argparse.ArgumentParser:
     guide_set.set_defaults(func=cmd_guide_set)
     guide_sub.add_parser("show", help=cmd_guide_show.__doc__).set_defaults(func=cmd_guide_show)
     guide_sub.add_parser("reset", help=cmd_guide_reset.__doc__).set_defaults(func=cmd_guide_reset)
+    oauth = sub.add_parser("oauth", help="the MCP front's OAuth clients and grants")
+    oauth_sub = oauth.add_subparsers(dest="oauth_command", required=True, metavar="WHAT")
+    clients = oauth_sub.add_parser("clients", help="registered OAuth clients")
+    clients.add_subparsers(dest="clients_command", required=True, metavar="ACTION").add_parser(
+        "list", help=cmd_oauth_clients_list.__doc__).set_defaults(func=cmd_oauth_clients_list)
+    grants = oauth_sub.add_parser("grants", help="grants (approvals on the consent page)")
+    grants_list = grants.add_subparsers(dest="grants_command", required=True, metavar="ACTION").add_parser(
+        "list", help=cmd_oauth_grants_list.__doc__)
+    grants_list.add_argument("--all", action="store_true", help="include revoked grants")
+    grants_list.set_defaults(func=cmd_oauth_grants_list)
+    revoke = oauth_sub.add_parser("revoke", help=cmd_oauth_revoke.__doc__)
+    revoke.add_argument("id", help="a grant id, or a client id (revokes all its grants)")
+    revoke.set_defaults(func=cmd_oauth_revoke)
     return parser
+
+
+# --- oauth: the MCP front's clients and grants -------------------------------------------------------
+
+def cmd_oauth_clients_list(settings: Settings, args: argparse.Namespace) -> int:
+    """List registered OAuth clients (id, name, auth method, live grants, redirect URIs), newest first."""
+    from actors.mcp.operator import list_clients
+
+    async def go() -> list[str]:
+        async with open_database(settings) as (db, _embedded, _label):
+            return ["\t".join([c.client_id, c.client_name or "-", c.auth_method, f"{c.live_grants} live grants",
+                               " ".join(c.redirect_uris)]) for c in await list_clients(db)]
+
+    for line in asyncio.run(go()):
+        _print(line)
+    return 0
+
+
+def cmd_oauth_grants_list(settings: Settings, args: argparse.Namespace) -> int:
+    """List grants (id, client, client name, agent, scopes, created, state); live ones unless --all."""
+    from actors.mcp.operator import list_grants
+
+    async def go() -> list[str]:
+        async with open_database(settings) as (db, _embedded, _label):
+            return [g.line() for g in await list_grants(db, include_revoked=args.all)]
+
+    for line in asyncio.run(go()):
+        _print(line)
+    return 0
+
+
+def cmd_oauth_revoke(settings: Settings, args: argparse.Namespace) -> int:
+    """Revoke a grant by its id, or every live grant of a client by the client id (their tokens stop at once)."""
+    from actors.mcp.operator import revoke
+
+    async def go() -> int:
+        async with open_database(settings) as (db, _embedded, _label):
+            return await revoke(db, args.id)
+
+    count = asyncio.run(go())
+    if count == 0:
+        _fail(settings, f"toastmachine: no live grant or client {args.id!r}")
+        return 1
+    _print(f"revoked {count} grant{'s' if count != 1 else ''}; their access and refresh tokens no longer work")
+    return 0
 
 
 def _fail(settings: Settings, line: str) -> None:

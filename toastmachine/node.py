@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,7 +29,7 @@ from infra.db import (
     ensure_identity,
     start_embedded,
 )
-from infra.exclusive import check_can_listen, hold_data_dir
+from infra.exclusive import check_can_listen, free_port, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from infra.runtime import Actor, ActorHealth, Supervisor
@@ -125,19 +126,23 @@ async def open_node(settings: Settings, *, allow_memory_bus: bool, web: bool = F
             await bus.close()
 
 
-def actor_factories(node: Node, names: list[str], *, web: bool) -> dict[str, Callable[[], Actor]]:
-    """Factories for the named back-end actors, plus the web front last (so it stops first)."""
+def actor_factories(node: Node, names: list[str], *, web: bool, mcp: bool = False) -> dict[str, Callable[[], Actor]]:
+    """Factories for the named back-end actors, plus the MCP and web fronts last (so they stop first)."""
     factories: dict[str, Callable[[], Actor]] = {}
     for name in names:
         build = ACTORS[name]
         factories[name] = lambda build=build: build(node)  # type: ignore[misc]
+    if mcp:
+        from actors.mcp.front import McpFront
+
+        factories["mcp"] = lambda: McpFront(node, host=node.settings.mcp_host, port=node.settings.mcp_port)
     if web:
         factories["web"] = lambda: WebFront(node, host=node.settings.host, port=node.settings.port)
     return factories
 
 
 async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
-                announce: Callable[[str], None] | None = None) -> int:
+                announce: Callable[[str], None] | None = None, mcp: bool = False) -> int:
     """Run ``actors`` (and the web front) until SIGTERM/SIGINT; return the process exit code.
 
     Raises AlreadyInUse at once, before starting anything, when another process holds the embedded
@@ -149,12 +154,19 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
             exclusive.enter_context(hold_data_dir(settings.data_dir))
         if web:
             check_can_listen(settings.host, settings.port)
+        if mcp:
+            check_can_listen(settings.mcp_host, settings.mcp_port, host_var="TOASTMACHINE_MCP_HOST",
+                             port_var="TOASTMACHINE_MCP_PORT")
+            if settings.mcp_port == 0:
+                # The MCP front's URLs (its OAuth issuer, the front door's link to it) name its port,
+                # so port 0 is resolved to a free port once, here, before anything is built.
+                settings = dataclasses.replace(settings, mcp_port=free_port(settings.mcp_host))
         return await _serve(settings, actors=actors, web=web, allow_memory_bus=allow_memory_bus,
-                            announce=announce)
+                            announce=announce, mcp=mcp)
 
 
 async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
-                 announce: Callable[[str], None] | None) -> int:
+                 announce: Callable[[str], None] | None, mcp: bool = False) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -174,8 +186,8 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
-        async with open_node(settings, allow_memory_bus=allow_memory_bus, web=web) as node:
-            supervisor = Supervisor(actor_factories(node, actors, web=web))
+        async with open_node(settings, allow_memory_bus=allow_memory_bus, web=web or mcp) as node:
+            supervisor = Supervisor(actor_factories(node, actors, web=web, mcp=mcp))
             node.supervisor = supervisor
             start = asyncio.create_task(supervisor.start(wait=60))
             stop_wait = asyncio.create_task(stop.wait())
@@ -211,13 +223,19 @@ def _announce(node: Node, supervisor: Supervisor, announce: Callable[[str], None
     if node.identity is not None:
         parts.append(f"corpus: {node.identity.corpus_id} lineage {node.identity.lineage}")
     web = supervisor.actors.get("web")
-    actors = ", ".join(n for n in supervisor.actors if n != "web")
+    mcp = supervisor.actors.get("mcp")
+    actors = ", ".join(n for n in supervisor.actors if n not in ("web", "mcp"))
     if isinstance(web, WebFront):
         line = f"ToastMachine listening on http://{node.settings.host}:{web.bound_port}"
     else:
         line = f"ToastMachine running {actors}"
     if actors and isinstance(web, WebFront):
         line += f" with {actors}"
+    bound = getattr(mcp, "bound_port", None)
+    if bound is not None:
+        mcp_url = (node.settings.mcp_public_url or f"http://{node.settings.mcp_host}:{bound}").rstrip("/") + "/mcp"
+        # After a space, never glued to the web URL: scripts read "listening on <url>" up to whitespace.
+        line = (line + f" and MCP at {mcp_url}") if isinstance(web, WebFront) else f"ToastMachine MCP at {mcp_url}"
     message = line + " (" + "; ".join(parts) + ")"
     log.info("node.ready", detail=message)
     if announce is not None:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.commands import submit_write
 from actors.mcp import budget, results, schemas
 from actors.mcp.grant_types import READ_SCOPE, WRITE_SCOPE, Grant
+from actors.mcp.grants import declare_tool_scope
 from actors.reads import corpus as corpus_reads
 from actors.reads import queries, rows
 from infra.bus.base import Bus
@@ -276,6 +277,9 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     def add(fn: Callable[..., Any], name: str, title: str, annotations: ToolAnnotations,
             output: dict[str, Any]) -> None:
+        # Read tools need the read scope; the write tools and get_operation_token the write scope.
+        # Declared for the HTTP scope gate (403 before the tool runs); each tool checks it again.
+        declare_tool_scope(name, READ_SCOPE if annotations is _READ else WRITE_SCOPE)
         model = _output(name.title().replace("_", "") + "Output", output)
         fn.__annotations__["return"] = Annotated[CallToolResult, model]
         server.add_tool(fn, name=name, title=title, description=fn.__doc__, annotations=annotations)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import uuid
-from datetime import UTC
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import Any
 
@@ -34,6 +35,7 @@ from infra.http import etag_matches, json_response, negotiate, read_json, reques
 from infra.logs import get_logger
 from infra.ratelimit import Gcra, KeyedTokenBucket, local_bucket, registration_budget, retry_after_seconds
 from protocol.agents import (
+    Registration,
     generate_credential,
     hash_credential,
     validate_registration,
@@ -122,10 +124,34 @@ async def register(request: web.Request) -> web.Response:
     if wait > 0:
         raise _too_many_registrations(wait)
     registration = validate_registration(await read_json(request))
+    registered = await register_agent(request.app[NODE].db.pool, request.app[REGISTER_BUDGET], registration, key)
+    body: dict[str, Any] = {"agent_id": str(registered.agent_id), "name": registration.name}
+    if registration.description is not None:
+        body["description"] = registration.description
+    body["created_at"] = format_time(registered.created_at)
+    body["credential"] = registered.credential
+    body["how_to_proceed"] = REGISTER_HOW_TO_PROCEED
+    return json_response(body, status=201, headers=_NO_STORE)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredAgent:
+    """A newly registered agent: its id, creation time and the one-time credential (shown once)."""
+
+    agent_id: uuid.UUID
+    created_at: datetime
+    credential: str
+
+
+async def register_agent(pool: Any, budget: Gcra, registration: Registration, key: str) -> RegisteredAgent:
+    """Register ``registration`` under the corpus-wide budget of client address ``key``.
+
+    The one registration path, shared by ``POST /register`` and the MCP front's consent page (which
+    creates an agent for an AI app): raises TooManyRequests when the address's budget is spent and
+    Conflict ``name_taken`` for a taken name. Only the credential's hash is stored.
+    """
     credential = generate_credential()
     agent_id = uuid.uuid4()
-    budget = request.app[REGISTER_BUDGET]
-    pool = request.app[NODE].db.pool
     row = await pool.fetchrow(_REGISTER, agent_id, registration.name, registration.description,
                               hash_credential(credential), key, budget.interval, budget.tolerance,
                               _BUDGET_ROWS_DROPPED)
@@ -144,13 +170,7 @@ async def register(request: web.Request) -> web.Response:
             extra={"field": "name"},
         ) from None
     log.info("agent.registered", agent_id=str(agent_id), name=registration.name)
-    body: dict[str, Any] = {"agent_id": str(agent_id), "name": registration.name}
-    if registration.description is not None:
-        body["description"] = registration.description
-    body["created_at"] = format_time(created_at)
-    body["credential"] = credential
-    body["how_to_proceed"] = REGISTER_HOW_TO_PROCEED
-    return json_response(body, status=201, headers=_NO_STORE)
+    return RegisteredAgent(agent_id=agent_id, created_at=created_at, credential=credential)
 
 
 def _too_many_registrations(wait: float) -> TooManyRequests:

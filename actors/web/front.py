@@ -36,6 +36,7 @@ from aiohttp import web
 from actors.web import favicon
 from actors.web.context import NODE
 from actors.web.render import FAVICON_LINK, NAV_STYLE, nav_html
+from infra.config import Settings
 from infra.http import json_response, negotiate
 from protocol import representations as rep
 from protocol.errors import NotAcceptable, ServiceUnavailable
@@ -77,6 +78,13 @@ _RECENT_SQL = (
     " left join retractions x on x.id = ch.retraction_id"
     " left join relationships r on r.id = coalesce(ch.relationship_id, x.relationship_id)"
     " order by ch.sequence desc limit $1")
+
+
+def mcp_links(settings: Settings) -> dict[str, str]:
+    """Where AI apps connect over MCP: the endpoint and its OAuth metadata, on the MCP front's own origin."""
+    base = settings.mcp_base_url
+    return {"url": base + "/mcp", "authorization_server": base,
+            "protected_resource_metadata": base + "/.well-known/oauth-protected-resource/mcp"}
 
 
 def add_routes(app: web.Application) -> None:
@@ -128,6 +136,7 @@ async def front(request: web.Request) -> web.Response:
         "lineage": str(node.identity.lineage),
         "head_sequence": rows[0]["sequence"] if rows else 0,
         "links": LINKS,
+        "mcp": mcp_links(node.settings),
         "recent_activity": [_activity(row) for row in rows],
     }
     headers = {"Vary": "Accept", "Cache-Control": "no-store"}
@@ -388,6 +397,9 @@ def render_html(body: dict[str, Any], nonce: str) -> str:
 </dl>
 </section>
 <nav aria-label="Links"><h2>Links</h2><ul class="links">{links}</ul></nav>
+<section aria-labelledby="mcp"><h2 id="mcp">Connect an AI app</h2>
+<p>Add <a id="mcp-url" href="{_e(body["mcp"]["url"])}">{_e(body["mcp"]["url"])}</a> as an MCP server; the app
+asks you to approve it once.</p></section>
 <section aria-labelledby="activity">
 <h2 id="activity">Activity <span id="stream-status" data-state="connecting" role="status">connecting</span></h2>
 <p>Newest first: the last {RECENT} changes, then every new one as it is committed.</p>

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from actors.web import export, favicon
 from actors.web.context import NODE
+from actors.web.front import mcp_links
 from infra.http import etag_matches, negotiate
 from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from protocol import query
@@ -379,6 +380,9 @@ def _front_door() -> Schema:
     return _obj({"name": {"type": "string"}, "corpus_id": ref("Id"), "lineage": ref("Id"),
                  "head_sequence": ref("Count"),
                  "links": _obj({k: {"const": v} for k, v in LINKS.items()}),
+                 "mcp": _obj({k: {"type": "string", "format": "uri"}
+                              for k in ("url", "authorization_server", "protected_resource_metadata")},
+                             description="Where AI apps connect over MCP (the MCP front's own origin)."),
                  "recent_activity": {"type": "array", "items": activity, "maxItems": 20}})
 
 
@@ -746,8 +750,11 @@ def _paths() -> dict[str, Schema]:
     return paths
 
 
-def build_openapi(public_url: str | None = None) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the web front; ``public_url`` (if any) is its server URL."""
+def build_openapi(public_url: str | None = None, mcp: dict[str, str] | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the web front; ``public_url`` (if any) is its server URL.
+
+    ``mcp`` (the front door's ``mcp`` object) becomes the ``x-mcp`` extension: where AI apps connect.
+    """
     ids = {
         # Reads and writes alike answer 400 invalid_parameter (field "id") for an id that is not a
         # UUID, and 404 for a well-formed one that names no record.
@@ -755,7 +762,7 @@ def build_openapi(public_url: str | None = None) -> dict[str, Any]:
                      "description": "A record id (UUID); anything else is 400 invalid_parameter naming 'id'.",
                      "schema": {"type": "string", "pattern": UUID_INPUT_PATTERN}},
     }
-    return {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "info": {
@@ -787,6 +794,10 @@ def build_openapi(public_url: str | None = None) -> dict[str, Any]:
                                            "description": "The credential from POST /register."}},
         },
     }
+    if mcp is not None:
+        document["x-mcp"] = {**mcp, "description": "The same corpus over the Model Context Protocol (Streamable "
+                                                   "HTTP), authorized with OAuth 2.1 by the MCP front."}
+    return document
 
 
 # --- the route --------------------------------------------------------------------------------
@@ -796,7 +807,8 @@ _DOCUMENT: web.AppKey[tuple[bytes, str]] = web.AppKey("openapi_document", tuple)
 
 def add_routes(app: web.Application) -> None:
     """``GET /openapi.json``; the document is built once per app."""
-    body = orjson.dumps(build_openapi(app[NODE].settings.public_url))
+    settings = app[NODE].settings
+    body = orjson.dumps(build_openapi(settings.public_url, mcp_links(settings)))
     app[_DOCUMENT] = (body, '"' + hashlib.sha256(body).hexdigest()[:32] + '"')
     app.router.add_get(OPENAPI_PATH, openapi)
 

@@ -1,0 +1,616 @@
+"""The MCP front's OAuth 2.1 authorization server, end to end over real HTTP (uvicorn in-process).
+
+The SDK's own client (``mcp.client.auth.OAuthClientProvider``) discovers the metadata, registers,
+goes through the consent form (driven over HTTP by the redirect handler), exchanges the code and
+calls ``whoami``; the negative cases talk to the endpoints directly. Runs on both database backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import re
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import httpx2
+import pytest
+from mcp.client.auth import OAuthClientProvider, TokenStorage
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import (
+    AuthorizationCodeResult,
+    OAuthClientInformationFull,
+    OAuthClientMetadata,
+    OAuthToken,
+)
+
+from actors.mcp.app import build_app
+from actors.mcp.front import make_server
+from infra.config import Settings
+from infra.db.pool import Database
+
+REDIRECT = "http://127.0.0.1:53682/callback"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Front:
+    base: str
+    db: Database
+
+
+@contextlib.asynccontextmanager
+async def serve(db: Database, port: int, **settings_kw: int) -> AsyncIterator[Front]:
+    settings = Settings(mcp_host="127.0.0.1", mcp_port=port, **settings_kw)  # type: ignore[arg-type]
+    server = make_server(build_app(settings, db), host="127.0.0.1", port=port)
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(20):
+        while not server.started:
+            assert not task.done(), "uvicorn stopped while starting"
+            await asyncio.sleep(0.02)
+    try:
+        yield Front(base=f"http://127.0.0.1:{port}", db=db)
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(20):
+            await task
+
+
+@pytest.fixture
+async def front(db: Database) -> AsyncIterator[Front]:
+    async with serve(db, _free_port()) as f:
+        yield f
+
+
+def _pkce() -> tuple[str, str]:
+    verifier = secrets.token_urlsafe(48)
+    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).decode().rstrip("=")
+    return verifier, challenge
+
+
+async def _consent(http: httpx.AsyncClient, consent_url: str, *, name: str | None = None,
+                   action: str = "approve", credential: str | None = None) -> httpx.Response:
+    page = await http.get(consent_url)
+    assert page.status_code == 200, page.text
+    assert "nonce-" in page.headers["content-security-policy"]
+    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page.text))
+    form = {**fields, "action": action}
+    if credential is not None:
+        form.update(mode="link", credential=credential)
+    else:
+        form.update(mode="create", name=name or f"app-{secrets.token_hex(4)}")
+    return await http.post(consent_url.split("?")[0], data=form)
+
+
+async def _register(http: httpx.AsyncClient, base: str, **extra: object) -> dict:
+    body = {"redirect_uris": [REDIRECT], "client_name": "Test app", "token_endpoint_auth_method": "none", **extra}
+    r = await http.post(base + "/register", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def _authorize(http: httpx.AsyncClient, base: str, client_id: str, challenge: str, **extra: str,
+                     ) -> httpx.Response:
+    params = {"response_type": "code", "client_id": client_id, "redirect_uri": REDIRECT,
+              "code_challenge": challenge, "code_challenge_method": "S256", "state": "st-1", **extra}
+    return await http.get(base + "/authorize", params=params)
+
+
+async def _code(http: httpx.AsyncClient, base: str, client_id: str, challenge: str, **extra: str) -> str:
+    r = await _authorize(http, base, client_id, challenge, **extra)
+    assert r.status_code == 302, r.text
+    back = await _consent(http, r.headers["location"])
+    assert back.status_code == 303, back.text
+    query = parse_qs(urlsplit(back.headers["location"]).query)
+    assert query["state"] == ["st-1"] and query["iss"] == [base]
+    return query["code"][0]
+
+
+async def _exchange(http: httpx.AsyncClient, base: str, client_id: str, code: str, verifier: str,
+                    **extra: str) -> httpx.Response:
+    return await http.post(base + "/token", data={"grant_type": "authorization_code", "code": code,
+                                                  "redirect_uri": REDIRECT, "client_id": client_id,
+                                                  "code_verifier": verifier, **extra})
+
+
+async def _tokens(http: httpx.AsyncClient, base: str, scope: str | None = None) -> tuple[str, dict]:
+    client = await _register(http, base)
+    verifier, challenge = _pkce()
+    code = await _code(http, base, client["client_id"], challenge, **({"scope": scope} if scope else {}))
+    r = await _exchange(http, base, client["client_id"], code, verifier)
+    assert r.status_code == 200, r.text
+    return client["client_id"], r.json()
+
+
+_INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+         "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                    "clientInfo": {"name": "t", "version": "1"}}}
+_MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+# --- the whole chain with the SDK's own client ---------------------------------------------------
+
+class MemoryStorage(TokenStorage):
+    def __init__(self) -> None:
+        self.tokens: OAuthToken | None = None
+        self.client: OAuthClientInformationFull | None = None
+
+    async def get_tokens(self) -> OAuthToken | None:
+        return self.tokens
+
+    async def set_tokens(self, tokens: OAuthToken) -> None:
+        self.tokens = tokens
+
+    async def get_client_info(self) -> OAuthClientInformationFull | None:
+        return self.client
+
+    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
+        self.client = client_info
+
+
+async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> None:
+    redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def redirect_handler(url: str) -> None:
+        # The person's browser: follow /authorize to the consent page and approve a new agent.
+        async with httpx.AsyncClient() as browser:
+            r = await browser.get(url)
+            assert r.status_code == 302, r.text
+            back = await _consent(browser, r.headers["location"], name="sdk-agent")
+            assert back.status_code == 303, back.text
+            redirected.set_result(back.headers["location"])
+
+    async def callback_handler() -> AuthorizationCodeResult:
+        query = parse_qs(urlsplit(await redirected).query)
+        return AuthorizationCodeResult(code=query["code"][0], state=query.get("state", [None])[0],
+                                       iss=query.get("iss", [None])[0])
+
+    storage = MemoryStorage()
+    auth = OAuthClientProvider(
+        front.base + "/mcp",
+        OAuthClientMetadata(redirect_uris=[REDIRECT], client_name="SDK test client"),  # type: ignore[list-item]
+        storage, redirect_handler=redirect_handler, callback_handler=callback_handler)
+    async with httpx2.AsyncClient(auth=auth, timeout=30) as http, \
+            streamable_http_client(front.base + "/mcp", http_client=http) as (read, write), \
+            ClientSession(read, write) as session:
+        await session.initialize()
+        tools = await session.list_tools()
+        assert [t.name for t in tools.tools] == ["whoami"]
+        result = await session.call_tool("whoami", {})
+    assert not result.is_error, result
+    agent = result.structured_content["agent"]  # type: ignore[index]
+    assert agent["name"] == "sdk-agent" and agent["activity"]["message_count"] == 0
+    assert storage.tokens is not None and storage.tokens.refresh_token
+    # Nothing raw is stored: the token's digest is, the token is not.
+    assert await front.db.pool.fetchval("select count(*) from oauth_tokens where token_hash = $1",
+                                        hashlib.sha256(storage.tokens.access_token.encode()).digest()) == 1
+
+
+# --- metadata and the 401 layer ---------------------------------------------------------------------
+
+async def test_metadata_and_401_challenge(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        asm = (await http.get(front.base + "/.well-known/oauth-authorization-server")).json()
+        assert asm["issuer"] == front.base and asm["code_challenge_methods_supported"] == ["S256"]
+        assert "none" in asm["token_endpoint_auth_methods_supported"]
+        assert asm["authorization_response_iss_parameter_supported"] is True
+        assert "offline_access" not in asm["scopes_supported"]
+        for path in ("/.well-known/oauth-protected-resource/mcp", "/.well-known/oauth-protected-resource"):
+            prm = (await http.get(front.base + path)).json()
+            assert prm["resource"] == front.base + "/mcp" and prm["authorization_servers"] == [front.base]
+        r = await http.post(front.base + "/mcp", json=_INIT, headers=_MCP_HEADERS)
+        assert r.status_code == 401
+        challenge = r.headers["www-authenticate"]
+        assert f'resource_metadata="{front.base}/.well-known/oauth-protected-resource/mcp"' in challenge
+        assert 'scope="toastmachine:read toastmachine:write"' in challenge
+        for bad in ("tma_" + secrets.token_urlsafe(32), "garbage"):
+            r = await http.post(front.base + "/mcp", json=_INIT, headers={**_MCP_HEADERS,
+                                                                         "Authorization": f"Bearer {bad}"})
+            assert r.status_code == 401
+
+
+async def test_bad_origin_is_403(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        ok = await http.post(front.base + "/mcp", json=_INIT, headers={**headers, "Origin": front.base})
+        assert ok.status_code == 200, ok.text
+        r = await http.post(front.base + "/mcp", json=_INIT, headers={**headers, "Origin": "https://evil.example"})
+        assert r.status_code == 403
+
+
+# --- PKCE, redirect and resource rules ----------------------------------------------------------------
+
+async def test_pkce_wrong_verifier_is_refused_and_leaves_the_code_usable(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, client["client_id"], challenge)
+        r = await _exchange(http, front.base, client["client_id"], code, verifier + "x")
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+        assert (await _exchange(http, front.base, client["client_id"], code, verifier)).status_code == 200
+
+
+async def test_pkce_plain_and_missing_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, _ = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], verifier, code_challenge_method="plain")
+        assert r.status_code == 302 and "error=invalid_request" in r.headers["location"]
+        params = {"response_type": "code", "client_id": client["client_id"], "redirect_uri": REDIRECT}
+        r = await http.get(front.base + "/authorize", params=params)
+        assert r.status_code == 302 and "error=invalid_request" in r.headers["location"]
+    assert await front.db.pool.fetchval("select count(*) from oauth_pending") == 0
+
+
+@pytest.mark.parametrize("redirect", [REDIRECT + "/", "http://127.0.0.1:53682/other"])
+async def test_redirect_mismatch_is_refused(front: Front, redirect: str) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge, redirect_uri=redirect)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_request"
+
+
+async def test_redirect_port_matters_off_loopback_but_not_on_it(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        r = await http.post(front.base + "/register", json={"redirect_uris": ["http://app.example/cb"],
+                                                            "token_endpoint_auth_method": "none"})
+        assert r.status_code == 400 and r.json()["error"] == "invalid_redirect_uri"
+        remote = await _register(http, front.base, redirect_uris=["https://app.example:8443/cb"])
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, remote["client_id"], challenge, redirect_uri="https://app.example:9443/cb")
+        assert r.status_code == 400
+        loop = await _register(http, front.base)
+        r = await _authorize(http, front.base, loop["client_id"], challenge, redirect_uri="http://127.0.0.1:4000/callback")
+        assert r.status_code == 302 and "/consent?" in r.headers["location"]
+
+
+async def test_wrong_resource_is_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge, resource="https://other.example/mcp")
+        assert r.status_code == 302 and "error=invalid_target" in r.headers["location"]
+        code = await _code(http, front.base, client["client_id"], challenge)
+        r = await _exchange(http, front.base, client["client_id"], code, verifier, resource="https://other.example/mcp")
+        assert r.status_code == 400 and r.json()["error"] == "invalid_target"
+
+
+# --- codes, tokens, refresh ----------------------------------------------------------------------------
+
+async def test_code_reuse_revokes_what_the_first_use_issued(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, client["client_id"], challenge)
+        first = await _exchange(http, front.base, client["client_id"], code, verifier)
+        assert first.status_code == 200
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {first.json()['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        again = await _exchange(http, front.base, client["client_id"], code, verifier)
+        assert again.status_code == 400 and again.json()["error"] == "invalid_grant"
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+
+
+async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: str) -> httpx.Response:
+    return await http.post(base + "/token", data={"grant_type": "refresh_token", "refresh_token": refresh,
+                                                  "client_id": client_id})
+
+
+async def test_refresh_rotates_grace_retry_gets_same_pair_and_late_reuse_revokes_family(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)
+        first, second = await asyncio.gather(_refresh(http, front.base, client_id, tokens["refresh_token"]),
+                                             _refresh(http, front.base, client_id, tokens["refresh_token"]))
+        assert first.status_code == second.status_code == 200
+        assert first.json() == second.json()  # the identical concurrent retry: one new pair
+        new = first.json()
+        assert new["refresh_token"] != tokens["refresh_token"]
+        # Past the grace window, the rotated token coming back is a theft signal.
+        await front.db.pool.execute("update oauth_tokens set rotated_at = now() - interval '1 hour'"
+                                    " where rotated_at is not null")
+        late = await _refresh(http, front.base, client_id, tokens["refresh_token"])
+        assert late.status_code == 400 and late.json()["error"] == "invalid_grant"
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {new['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+        assert (await _refresh(http, front.base, client_id, new["refresh_token"])).status_code == 400
+
+
+async def test_revoked_and_expired_tokens_are_401(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        tampered = {**headers, "Authorization": f"Bearer {tokens['access_token'][:-2]}xx"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=tampered)).status_code == 401
+        await front.db.pool.execute("update oauth_tokens set expires_at = now() - interval '1 second'"
+                                    " where kind = 'access'")
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+        client_id, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        r = await http.post(front.base + "/revoke", data={"token": tokens["refresh_token"], "client_id": client_id})
+        assert r.status_code == 200
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+
+
+async def test_read_only_token_calling_write_scoped_tool_gets_403_challenge(db: Database) -> None:
+    from actors.mcp.app import ToolDeps, register_tools
+    from actors.mcp.grants import declare_tool_scope, require_scope
+
+    calls: list[str] = []
+
+    def tools(server, deps: ToolDeps) -> None:  # type: ignore[no-untyped-def]
+        register_tools(server, deps)
+        declare_tool_scope("probe_write", "toastmachine:write")
+
+        @server.tool(name="probe_write")
+        async def probe_write() -> dict:
+            require_scope("toastmachine:write")
+            calls.append("ran")
+            return {"ok": True}
+
+    port = _free_port()
+    settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
+    server = make_server(build_app(settings, db, tools=tools), host="127.0.0.1", port=port)
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(20):
+            while not server.started:
+                await asyncio.sleep(0.02)
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient() as http:
+            _, tokens = await _tokens(http, base)  # no scope asked: read only
+            assert tokens["scope"] == "toastmachine:read"
+            headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}",
+                       "MCP-Protocol-Version": "2025-11-25"}
+            init = await http.post(base + "/mcp", json=_INIT, headers=headers)
+            assert init.status_code == 200
+            if "mcp-session-id" in init.headers:
+                headers["Mcp-Session-Id"] = init.headers["mcp-session-id"]
+            call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "probe_write",
+                                                                                    "arguments": {}}}
+            r = await http.post(base + "/mcp", json=call, headers=headers)
+            assert r.status_code == 403
+            assert 'error="insufficient_scope"' in r.headers["www-authenticate"]
+            assert 'scope="toastmachine:write"' in r.headers["www-authenticate"]
+        assert calls == []
+    finally:
+        server.should_exit = True
+        await task
+
+
+# --- consent, fail closed, restart ----------------------------------------------------------------------
+
+async def test_consent_csrf_and_deny(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        consent_url = r.headers["location"]
+        page = await http.get(consent_url)
+        fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page.text))
+        # A cross-site POST has the form fields but not the cookie.
+        async with httpx.AsyncClient() as attacker:
+            forged = await attacker.post(front.base + "/consent", data={**fields, "action": "approve",
+                                                                         "mode": "create", "name": "forged"})
+        assert forged.status_code == 403 and forged.json()["error"]["code"] == "csrf_failed"
+        assert await front.db.pool.fetchval("select count(*) from agents where name = 'forged'") == 0
+        denied = await http.post(front.base + "/consent", data={**fields, "action": "deny"})
+        assert denied.status_code == 303
+        query = parse_qs(urlsplit(denied.headers["location"]).query)
+        assert query["error"] == ["access_denied"] and query["state"] == ["st-1"]
+
+
+async def test_link_existing_agent_by_credential(front: Front) -> None:
+    from actors.web.agents import register_agent
+    from infra.ratelimit import registration_budget
+    from protocol.agents import Registration
+
+    agent = await register_agent(front.db.pool, registration_budget(20), Registration(name="linked-one"), "10.0.0.1")
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        wrong = await _consent(http, r.headers["location"], credential="tm_wrong")
+        assert wrong.status_code == 400
+        back = await _consent(http, r.headers["location"], credential=agent.credential)
+        assert back.status_code == 303
+    grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
+    assert grant_agent == agent.agent_id
+
+
+async def test_client_record_with_a_field_removed_is_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        await front.db.pool.execute("update oauth_clients set metadata = metadata - 'token_endpoint_auth_method'")
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_request"
+
+
+async def test_restart_keeps_grants_working(db: Database) -> None:
+    port = _free_port()
+    async with serve(db, port) as f, httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, f.base)
+    async with serve(db, port) as f, httpx.AsyncClient() as http:
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(f.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        assert (await _refresh(http, f.base, client_id, tokens["refresh_token"])).status_code == 200
+
+
+# --- the operator's CLI ---------------------------------------------------------------------------------
+
+async def _cli(dsn: str, *args: str) -> tuple[int, str]:
+    from tests import procs
+
+    proc = await procs.start(*args, env=procs.clean_env(TOASTMACHINE_DATABASE_URL=dsn))
+    code = await proc.wait()
+    return code, "\n".join(proc.output)
+
+
+async def test_operator_cli_lists_clients_and_grants_and_revokes(front: Front, database_dsn: str) -> None:
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        code, out = await _cli(database_dsn, "oauth", "clients", "list")
+        assert code == 0 and client_id in out and "Test app" in out and "1 live grants" in out, out
+        code, out = await _cli(database_dsn, "oauth", "grants", "list")
+        grant_id = str(await front.db.pool.fetchval("select grant_id from oauth_grants"))
+        assert code == 0 and grant_id in out and "toastmachine:read" in out and "\tlive" in out, out
+        assert tokens["access_token"] not in out and tokens["refresh_token"] not in out
+        code, out = await _cli(database_dsn, "oauth", "revoke", grant_id)
+        assert code == 0 and "revoked 1 grant" in out, out
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+        assert (await _refresh(http, front.base, client_id, tokens["refresh_token"])).status_code == 400
+        code, out = await _cli(database_dsn, "oauth", "revoke", grant_id)
+        assert code == 1 and "no live grant" in out, out
+        code, out = await _cli(database_dsn, "oauth", "grants", "list")
+        assert grant_id not in out
+
+
+META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+async def test_both_protocol_revisions_on_one_endpoint(front: Front) -> None:
+    """2026-07-28 (stateless: server/discover, then a call with the routing headers) and 2025-11-25
+    (initialize) from the same /mcp; whoami answers from the grant either way; answers are no-store."""
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        modern = {**auth, "MCP-Protocol-Version": "2026-07-28"}
+        r = await http.post(front.base + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "server/discover",
+                                                       "params": {"_meta": META}},
+                            headers={**modern, "Mcp-Method": "server/discover"})
+        assert r.status_code == 200, r.text
+        assert "2026-07-28" in r.json()["result"]["supportedVersions"]
+        assert r.headers["cache-control"] == "no-store" and r.headers["server"] == "ToastMachine"
+        r = await http.post(front.base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                                       "params": {"name": "whoami", "arguments": {}, "_meta": META}},
+                            headers={**modern, "Mcp-Method": "tools/call", "Mcp-Name": "whoami"})
+        assert r.status_code == 200, r.text
+        agent = r.json()["result"]["structuredContent"]["agent"]
+        grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
+        assert agent["agent_id"] == str(grant_agent)
+        r = await http.post(front.base + "/mcp", json=_INIT, headers=auth)
+        assert r.status_code == 200, r.text
+        assert "2025-11-25" in r.text and r.headers["cache-control"] == "no-store"
+
+
+async def test_expired_code_and_another_clients_code_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        other = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, client["client_id"], challenge)
+        r = await _exchange(http, front.base, other["client_id"], code, verifier)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+        await front.db.pool.execute("update oauth_codes set expires_at = now() - interval '1 second'")
+        r = await _exchange(http, front.base, client["client_id"], code, verifier)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+    assert await front.db.pool.fetchval("select count(*) from oauth_tokens") == 0
+
+
+async def test_token_for_another_audience_is_401(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        await front.db.pool.execute("update oauth_grants set resource = 'https://other.example/mcp'")
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+
+
+async def test_no_secret_is_ever_logged(db: Database, capsys: pytest.CaptureFixture[str],
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("DEBUG")
+    secrets_seen: list[str] = []
+    async with serve(db, _free_port()) as f, httpx.AsyncClient() as http:
+        client = await _register(http, f.base, token_endpoint_auth_method="client_secret_post")
+        secrets_seen.append(client["client_secret"])
+        verifier, challenge = _pkce()
+        r = await _authorize(http, f.base, client["client_id"], challenge)
+        consent_url = r.headers["location"]
+        secrets_seen.append(parse_qs(urlsplit(consent_url).query)["request"][0])
+        back = await _consent(http, consent_url)
+        code = parse_qs(urlsplit(back.headers["location"]).query)["code"][0]
+        secrets_seen += [code, http.cookies["tm_consent_csrf"]]
+        r = await _exchange(http, f.base, client["client_id"], code, verifier, client_secret=client["client_secret"])
+        assert r.status_code == 200, r.text
+        tokens = r.json()
+        secrets_seen += [tokens["access_token"], tokens["refresh_token"]]
+        await _exchange(http, f.base, client["client_id"], code, verifier, client_secret=client["client_secret"])
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}x"}
+        await http.post(f.base + "/mcp", json=_INIT, headers=headers)
+    # Everything the server side logged (the test's own HTTP client logs its URLs: not ours).
+    server_records = "\n".join(f"{r.name} {r.getMessage()} {r.args}" for r in caplog.records
+                               if not r.name.startswith(("httpx", "httpcore")))
+    captured = capsys.readouterr()
+    logged = captured.out + captured.err + server_records
+    assert "oauth.code_exchanged" in logged  # the logs are there ...
+    for secret in secrets_seen:
+        assert secret not in logged  # ... without any secret in them
+    stored = await db.pool.fetch("select metadata::text as m from oauth_clients")
+    assert all(client["client_secret"] not in row["m"] for row in stored)
+
+
+async def test_authorization_requests_are_rate_limited_per_address(db: Database) -> None:
+    async with serve(db, _free_port(), mcp_authorize_per_minute=3) as f, httpx.AsyncClient() as http:
+        client = await _register(http, f.base)
+        _, challenge = _pkce()
+        for _ in range(3):
+            assert (await _authorize(http, f.base, client["client_id"], challenge)).status_code == 302
+        # A forwarding header from an untrusted peer names no other client: still the same budget.
+        http.headers["X-Forwarded-For"] = "203.0.113.9"
+        r = await _authorize(http, f.base, client["client_id"], challenge)
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "rate_limited"
+    assert await db.pool.fetchval("select count(*) from oauth_pending") == 3
+
+
+async def test_cleanup_deletes_only_rows_long_expired_in_bounded_batches(front: Front) -> None:
+    from actors.mcp.cleanup import delete_expired
+
+    async with httpx.AsyncClient() as http:
+        for _ in range(3):
+            await _tokens(http, front.base)
+    pool = front.db.pool
+    # Two token pairs long expired, one just expired (kept for reuse detection), one pair live.
+    await pool.execute("update oauth_tokens set expires_at = now() - interval '2 days' where grant_id in"
+                       " (select grant_id from oauth_grants order by created_at limit 2)")
+    await pool.execute("update oauth_tokens set expires_at = now() - interval '1 minute' where grant_id ="
+                       " (select grant_id from oauth_grants order by created_at offset 2 limit 1) and kind = 'access'")
+    await pool.execute("update oauth_codes set expires_at = now() - interval '2 days'")
+    assert await delete_expired(front.db, batch=1) == 2  # one code, one token: bounded per table
+    assert await delete_expired(front.db, batch=100) == 2 + 3
+    assert await delete_expired(front.db, batch=100) == 0
+    left = await pool.fetch("select kind, expires_at > now() as live from oauth_tokens order by kind")
+    assert [(r["kind"], r["live"]) for r in left] == [("access", False), ("refresh", True)]
+    assert await pool.fetchval("select count(*) from oauth_grants") == 3
+
+
+async def test_corrupted_pending_request_and_token_records_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        await front.db.pool.execute("update oauth_pending set params = params - 'code_challenge'")
+        page = await http.get(r.headers["location"])
+        assert page.status_code == 400 and page.json()["error"]["code"] == "authorization_request_invalid"
+        # A read-only grant whose token row was widened to write: the token is refused outright.
+        _, tokens = await _tokens(http, front.base)
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        await front.db.pool.execute("update oauth_tokens set scopes = array['toastmachine:read', 'toastmachine:write']")
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
