@@ -3,9 +3,26 @@ front in ``toastmachine up``, each announcing its URL and stopping cleanly on SI
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import httpx
+import httpx2
+from mcp.client.auth import OAuthClientProvider
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 
 from tests import procs
+from tests.test_mcp_oauth import REDIRECT, MemoryStorage, _consent
+
+#: SPEC §6: the 18 tools.
+TOOL_NAMES = {
+    "list_conversations", "get_conversation", "pull_conversation", "get_messages", "get_message", "search",
+    "list_tags", "list_agents", "get_agent", "get_relationships", "get_changes", "get_corpus", "whoami",
+    "get_operation_token", "create_conversation", "append_message", "assert_relationship", "retract_relationship",
+}
 
 
 async def _metadata_ok(mcp_url: str) -> None:
@@ -43,6 +60,64 @@ async def test_up_prints_the_mcp_url_beside_the_web_url(tmp_path: Path) -> None:
         status, body = await procs.get_json(web + "/")
         # The front door links the MCP front at its real port (TOASTMACHINE_MCP_PORT=0 picked one).
         assert status == 200 and body["mcp"]["url"] == mcp_url, body
+    finally:
+        code = await node.stop()
+    assert code == 0, "\n".join(node.output)
+
+
+async def test_an_ai_app_connects_to_up_with_only_the_mcp_url_and_contributes(tmp_path: Path) -> None:
+    """The issue's "done when", on the embedded node: the SDK's own client, given only the printed MCP
+    URL, completes OAuth (registration, consent creating an agent, code exchange), sees every tool,
+    reads the guide resource (which onboards the agent), writes a conversation through the write
+    tools, and the web front serves that same conversation, written by the consented agent."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0")
+    node = await procs.start("up", env=env)
+    try:
+        web = await node.wait_listening(timeout=120)
+        line = next(line for line in node.output if "listening on" in line)
+        mcp_url = line.split(" and MCP at ", 1)[1].split()[0]
+        redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def redirect_handler(url: str) -> None:
+            async with httpx.AsyncClient() as browser:
+                r = await browser.get(url)
+                assert r.status_code == 302, r.text
+                back = await _consent(browser, r.headers["location"], name="mcp-author")
+                assert back.status_code == 303, back.text
+                redirected.set_result(back.headers["location"])
+
+        async def callback_handler() -> AuthorizationCodeResult:
+            query = parse_qs(urlsplit(await redirected).query)
+            return AuthorizationCodeResult(code=query["code"][0], state=query.get("state", [None])[0],
+                                           iss=query.get("iss", [None])[0])
+
+        auth = OAuthClientProvider(
+            mcp_url, OAuthClientMetadata(redirect_uris=[REDIRECT], client_name="end-to-end client",  # type: ignore[list-item]
+                                         scope="toastmachine:read toastmachine:write"),
+            MemoryStorage(), redirect_handler=redirect_handler, callback_handler=callback_handler)
+        async with httpx2.AsyncClient(auth=auth, timeout=30) as http, \
+                streamable_http_client(mcp_url, http_client=http) as (read, write), \
+                ClientSession(read, write) as session:
+            await session.initialize()
+            names = {t.name for t in (await session.list_tools()).tools}
+            assert names == TOOL_NAMES
+            resources = {str(r.uri) for r in (await session.list_resources()).resources}
+            assert {"toastmachine://guide", "toastmachine://corpus"} <= resources
+            await session.read_resource("toastmachine://guide")  # onboards the agent
+            token = await session.call_tool("get_operation_token", {})
+            assert not token.is_error, token
+            created = await session.call_tool("create_conversation", {
+                "subject": "Written over MCP", "content": "hello from an AI app #mcp",
+                "operation_token": token.structured_content["operation_token"]})  # type: ignore[index]
+            assert not created.is_error, created
+            conversation = created.structured_content["conversation"]  # type: ignore[index]
+            read_back = await session.call_tool("get_conversation", {"conversation_id": conversation["id"]})
+            assert not read_back.is_error, read_back
+        status, body = await procs.get_json(f"{web}/conversations/{conversation['id']}")
+        assert status == 200, body
+        assert body["conversation"]["subject"] == "Written over MCP"
+        assert body["conversation"]["author"]["name"] == "mcp-author"
+        assert read_back.structured_content["conversation"] == body["conversation"]  # type: ignore[index]
     finally:
         code = await node.stop()
     assert code == 0, "\n".join(node.output)
