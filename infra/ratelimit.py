@@ -72,6 +72,29 @@ class Gcra:
         return max(tat, now) + taken * self.interval
 
 
+def address_budget_ctes(table: str, *, address: str, interval: str, tolerance: str, drop: str) -> str:
+    """The two CTEs that charge a per-address GCRA budget kept in ``table`` (columns ``address inet``,
+    ``tat timestamptz``) inside one statement, for a caller to finish with its own ``select``.
+
+    ``budget`` returns a row only when the address was admitted (its theoretical arrival time moved
+    on by ``interval`` seconds, refused past ``tolerance``); ``dropped`` deletes up to ``drop`` rows of
+    other addresses that no longer carry state, so the table shrinks back to the addresses active in
+    the last window. The arguments are the statement's placeholders (``$5``...), never values.
+    """
+    return f"""
+with budget as (
+    insert into {table} as b (address, tat)
+    values ({address}::inet, now() + make_interval(secs => {interval}))
+    on conflict (address) do update set tat = greatest(b.tat, now()) + make_interval(secs => {interval})
+        where b.tat <= now() + make_interval(secs => {tolerance})
+    returning 1
+), dropped as (
+    delete from {table} where address = any(array(
+        select address from {table} where tat < now() and address <> {address}::inet
+        order by tat limit {drop} for update skip locked))
+)"""
+
+
 def write_budget(writes_per_second: float) -> Gcra:
     """Each agent's write budget (TOASTMACHINE_WRITES_PER_SECOND): that rate sustained, bursts of twice it."""
     return Gcra(rate=writes_per_second, burst=max(1.0, 2 * writes_per_second))

@@ -160,7 +160,10 @@ class MemoryStorage(TokenStorage):
         self.client = client_info
 
 
-async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> None:
+def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
+                     client_name: str = "SDK test client") -> tuple[OAuthClientProvider, MemoryStorage]:
+    """The SDK's own OAuth client provider for ``mcp_url``, with a person who approves the consent
+    page by creating agent ``agent_name``; and the storage where it keeps its tokens."""
     redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def redirect_handler(url: str) -> None:
@@ -168,7 +171,7 @@ async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> N
         async with httpx.AsyncClient() as browser:
             r = await browser.get(url)
             assert r.status_code == 302, r.text
-            back = await _consent(browser, r.headers["location"], name="sdk-agent")
+            back = await _consent(browser, r.headers["location"], name=agent_name)
             assert back.status_code == 303, back.text
             redirected.set_result(back.headers["location"])
 
@@ -178,10 +181,13 @@ async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> N
                                        iss=query.get("iss", [None])[0])
 
     storage = MemoryStorage()
-    auth = OAuthClientProvider(
-        front.base + "/mcp",
-        OAuthClientMetadata(redirect_uris=[REDIRECT], client_name="SDK test client"),  # type: ignore[list-item]
-        storage, redirect_handler=redirect_handler, callback_handler=callback_handler)
+    metadata = OAuthClientMetadata(redirect_uris=[REDIRECT], client_name=client_name, scope=scope)  # type: ignore[list-item]
+    return OAuthClientProvider(mcp_url, metadata, storage, redirect_handler=redirect_handler,
+                               callback_handler=callback_handler), storage
+
+
+async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> None:
+    auth, storage = sdk_oauth_client(front.base + "/mcp", agent_name="sdk-agent")
     async with httpx2.AsyncClient(auth=auth, timeout=30) as http, \
             streamable_http_client(front.base + "/mcp", http_client=http) as (read, write), \
             ClientSession(read, write) as session:

@@ -3,19 +3,14 @@ front in ``toastmachine up``, each announcing its URL and stopping cleanly on SI
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-import httpx
 import httpx2
-from mcp.client.auth import OAuthClientProvider
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.auth import AuthorizationCodeResult, OAuthClientMetadata
 
 from tests import procs
-from tests.test_mcp_oauth import REDIRECT, MemoryStorage, _consent
+from tests.test_mcp_oauth import sdk_oauth_client
 
 #: SPEC §6: the 18 tools.
 TOOL_NAMES = {
@@ -31,6 +26,13 @@ async def _metadata_ok(mcp_url: str) -> None:
     assert status == 200 and body["issuer"] == base, body
     status, body = await procs.get_json(base + "/.well-known/oauth-protected-resource/mcp")
     assert status == 200 and body["resource"] == mcp_url, body
+
+
+async def _up_urls(node: procs.NodeProcess) -> tuple[str, str]:
+    """The web front's and the MCP front's URLs, as ``toastmachine up`` prints them."""
+    web = await node.wait_listening(timeout=120)
+    line = next(line for line in node.output if "listening on" in line)
+    return web, line.split(" and MCP at ", 1)[1].split()[0]
 
 
 async def test_mcp_command_serves_oauth_metadata_and_stops_cleanly(
@@ -53,9 +55,7 @@ async def test_up_prints_the_mcp_url_beside_the_web_url(tmp_path: Path) -> None:
     env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0")
     node = await procs.start("up", env=env)
     try:
-        web = await node.wait_listening(timeout=120)
-        line = next(line for line in node.output if "listening on" in line)
-        mcp_url = line.split(" and MCP at ", 1)[1].split()[0]
+        web, mcp_url = await _up_urls(node)
         await _metadata_ok(mcp_url)
         status, body = await procs.get_json(web + "/")
         # The front door links the MCP front at its real port (TOASTMACHINE_MCP_PORT=0 picked one).
@@ -73,28 +73,9 @@ async def test_an_ai_app_connects_to_up_with_only_the_mcp_url_and_contributes(tm
     env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0")
     node = await procs.start("up", env=env)
     try:
-        web = await node.wait_listening(timeout=120)
-        line = next(line for line in node.output if "listening on" in line)
-        mcp_url = line.split(" and MCP at ", 1)[1].split()[0]
-        redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def redirect_handler(url: str) -> None:
-            async with httpx.AsyncClient() as browser:
-                r = await browser.get(url)
-                assert r.status_code == 302, r.text
-                back = await _consent(browser, r.headers["location"], name="mcp-author")
-                assert back.status_code == 303, back.text
-                redirected.set_result(back.headers["location"])
-
-        async def callback_handler() -> AuthorizationCodeResult:
-            query = parse_qs(urlsplit(await redirected).query)
-            return AuthorizationCodeResult(code=query["code"][0], state=query.get("state", [None])[0],
-                                           iss=query.get("iss", [None])[0])
-
-        auth = OAuthClientProvider(
-            mcp_url, OAuthClientMetadata(redirect_uris=[REDIRECT], client_name="end-to-end client",  # type: ignore[list-item]
-                                         scope="toastmachine:read toastmachine:write"),
-            MemoryStorage(), redirect_handler=redirect_handler, callback_handler=callback_handler)
+        web, mcp_url = await _up_urls(node)
+        auth, _ = sdk_oauth_client(mcp_url, agent_name="mcp-author", client_name="end-to-end client",
+                                   scope="toastmachine:read toastmachine:write")
         async with httpx2.AsyncClient(auth=auth, timeout=30) as http, \
                 streamable_http_client(mcp_url, http_client=http) as (read, write), \
                 ClientSession(read, write) as session:

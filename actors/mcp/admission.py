@@ -13,25 +13,14 @@ from starlette.responses import JSONResponse, Response
 
 from infra.client_address import Address, TrustedProxies, admission_key, client_address
 from infra.db.pool import Database
-from infra.ratelimit import Gcra, KeyedTokenBucket, local_bucket, retry_after_seconds
+from infra.ratelimit import Gcra, KeyedTokenBucket, address_budget_ctes, local_bucket, retry_after_seconds
 from protocol.errors import TooManyRequests
 
 #: Stateless rows each charge deletes (more than the one it may add, so the table shrinks).
 _ROWS_DROPPED = 2
 
 # $1 address, $2 emission interval, $3 tolerance (seconds), $4 rows to drop.
-_CHARGE = """
-with budget as (
-    insert into oauth_authorize_budget as b (address, tat)
-    values ($1::inet, now() + make_interval(secs => $2))
-    on conflict (address) do update set tat = greatest(b.tat, now()) + make_interval(secs => $2)
-        where b.tat <= now() + make_interval(secs => $3)
-    returning 1
-), dropped as (
-    delete from oauth_authorize_budget where address = any(array(
-        select address from oauth_authorize_budget where tat < now() and address <> $1::inet
-        order by tat limit $4 for update skip locked))
-)
+_CHARGE = address_budget_ctes("oauth_authorize_budget", address="$1", interval="$2", tolerance="$3", drop="$4") + """
 select exists (select 1 from budget) as admitted,
        (select extract(epoch from tat)::float8 from oauth_authorize_budget where address = $1::inet) as tat,
        extract(epoch from now())::float8 as now

@@ -33,7 +33,14 @@ from infra.client_address import admission_key
 from infra.db.pool import Database, Target
 from infra.http import etag_matches, json_response, negotiate, read_json, request_client
 from infra.logs import get_logger
-from infra.ratelimit import Gcra, KeyedTokenBucket, local_bucket, registration_budget, retry_after_seconds
+from infra.ratelimit import (
+    Gcra,
+    KeyedTokenBucket,
+    address_budget_ctes,
+    local_bucket,
+    registration_budget,
+    retry_after_seconds,
+)
 from protocol.agents import (
     Registration,
     generate_credential,
@@ -64,18 +71,8 @@ _BUDGET_ROWS_DROPPED = 2
 # no state, and insert the agent only if the budget admitted it. Atomic on its own, so concurrent
 # registrations on any number of nodes share the budget; a taken name is a 409 that still counts.
 # $1-$4 the agent, $5 the address key, $6 the emission interval and $7 the tolerance in seconds.
-_REGISTER = """
-with budget as (
-    insert into registration_budget as b (address, tat)
-    values ($5::inet, now() + make_interval(secs => $6))
-    on conflict (address) do update set tat = greatest(b.tat, now()) + make_interval(secs => $6)
-        where b.tat <= now() + make_interval(secs => $7)
-    returning 1
-), dropped as (
-    delete from registration_budget where address = any(array(
-        select address from registration_budget where tat < now() and address <> $5::inet
-        order by tat limit $8 for update skip locked))
-), agent as (
+_REGISTER = address_budget_ctes("registration_budget", address="$5", interval="$6", tolerance="$7", drop="$8") + """
+, agent as (
     -- Milliseconds, like every timestamp the corpus shows: what is stored is what is shown.
     insert into agents (agent_id, name, description, credential_hash, created_at)
     select $1, $2, $3, $4, date_trunc('milliseconds', now()) from budget
