@@ -66,6 +66,11 @@ def require_chromium() -> str:
     pytest.skip(f"chromium missing: {why}")
 
 
+#: Chromium's answers to an evaluation whose document was being replaced by a navigation.
+_NAVIGATING = ("Inspected target navigated or closed", "Cannot find context with specified id",
+               "Execution context was destroyed")
+
+
 class CDPError(AssertionError):
     """A DevTools command failed, or the page's JavaScript threw."""
 
@@ -106,7 +111,15 @@ class Page:
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    last = await self.evaluate(condition)
+                    try:
+                        last = await self.evaluate(condition)
+                    except CDPError as e:
+                        # A condition polled across a navigation (a click on a link) can be asked of
+                        # the document being replaced; Chromium then refuses that one evaluation.
+                        # The next poll asks the new document.
+                        if not any(text in str(e) for text in _NAVIGATING):
+                            raise
+                        last = None
                     if last:
                         return last
                     await asyncio.sleep(interval)  # a polling interval, not a synchronisation
