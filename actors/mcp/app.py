@@ -185,33 +185,23 @@ class _ScopeGate:
         return None
 
 
-class _ServerHeader:
-    """``Server: ToastMachine`` on every answer, like the web front (no framework or version)."""
+class _SetHeader:
+    """Sets one response header on every answer of ``app``, replacing any value it had.
 
-    def __init__(self, app: ASGIApp) -> None:
+    Used for ``Server: ToastMachine`` on everything (like the web front: no framework or version)
+    and ``Cache-Control: no-store`` on the token-gated endpoint.
+    """
+
+    def __init__(self, app: ASGIApp, name: bytes, value: bytes) -> None:
         self.app = app
+        self.name = name.lower()
+        self.value = value
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"server"]
-                message = {**message, "headers": [*headers, (b"server", b"ToastMachine")]}
-            await send(message)
-
-        await self.app(scope, receive, sending)
-
-
-class _NoStore:
-    """``Cache-Control: no-store`` on every answer of the token-gated endpoint."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"cache-control"]
-                message = {**message, "headers": [*headers, (b"cache-control", b"no-store")]}
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != self.name]
+                message = {**message, "headers": [*headers, (self.name, self.value)]}
             await send(message)
 
         await self.app(scope, receive, sending)
@@ -242,7 +232,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     protected = AuthenticationMiddleware(
         AuthContextMiddleware(protected),
         backend=BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)))
-    protected = _NoStore(protected)
+    protected = _SetHeader(protected, b"cache-control", b"no-store")
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
     # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
@@ -286,7 +276,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         async with server.session_manager.run():
             yield
 
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_ServerHeader)])
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_SetHeader, name=b"server", value=b"ToastMachine")])
 
 
 class _LimitedAuthorize:
