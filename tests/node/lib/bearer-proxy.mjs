@@ -6,23 +6,34 @@
 // (DNS-rebinding protection, OAuth endpoints) are what the suite sees. The node must be configured
 // with this proxy's URL as its public URL (TOASTMACHINE_MCP_PUBLIC_URL), like behind a load balancer.
 //
-// Usage: TM_BEARER_TOKEN=... node lib/bearer-proxy.mjs <listen port> <upstream origin>
+// Usage: node lib/bearer-proxy.mjs <listen port> <upstream origin> <token file>
+// The token is read from <token file> on each request, so the proxy can run (passing everything
+// through) while a client gets the token through it by OAuth; until the file exists nothing is added.
 // Prints "proxy listening on http://127.0.0.1:<port>" once it accepts connections.
+import fs from 'node:fs';
 import http from 'node:http';
 
-const [port, upstream] = process.argv.slice(2);
-const token = process.env.TM_BEARER_TOKEN;
-if (!port || !upstream || !token) {
-  console.error('usage: TM_BEARER_TOKEN=... bearer-proxy.mjs <listen port> <upstream origin>');
+const [port, upstream, tokenFile] = process.argv.slice(2);
+if (!port || !upstream || !tokenFile) {
+  console.error('usage: bearer-proxy.mjs <listen port> <upstream origin> <token file>');
   process.exit(2);
 }
 const target = new URL(upstream);
 
+function token() {
+  try {
+    return fs.readFileSync(tokenFile, 'utf8').trim() || undefined;
+  } catch {
+    return undefined;
+  }
+}
+
 const server = http.createServer((req, res) => {
   const headers = { ...req.headers };
   const path = new URL(req.url, 'http://proxy').pathname;
-  if ((path === '/mcp' || path.startsWith('/mcp/')) && !headers.authorization) {
-    headers.authorization = `Bearer ${token}`;
+  const bearer = token();
+  if ((path === '/mcp' || path.startsWith('/mcp/')) && !headers.authorization && bearer) {
+    headers.authorization = `Bearer ${bearer}`;
   }
   const forward = http.request(
     { hostname: target.hostname, port: target.port, method: req.method, path: req.url, headers },
