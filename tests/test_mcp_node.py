@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -124,6 +125,8 @@ async def check_client(up: Up, script: str, agent: str) -> dict[str, Any]:
     """Run ``script`` as ``agent`` and check what it reports and what the web front serves."""
     report = await run_client(script, up.mcp, agent)
     assert report["protocol_version"] == CLIENTS[script], report["protocol_version"]
+    assert report["server"]["name"] == "toastmachine"
+    assert report["server"]["version"] == importlib.metadata.version("toastmachine"), report["server"]
     assert len(report["tools"]) == 18 and set(report["tools"]) == TOOL_NAMES, report["tools"]
     assert report["whoami"]["agent"]["name"] == agent
     assert report["whoami"]["agent"]["onboarded"] is True  # reading the guide onboarded it

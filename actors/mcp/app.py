@@ -23,6 +23,7 @@ the OAuth tests need. Not there yet: notifications.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -222,7 +223,9 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers."""
     issuer = settings.mcp_base_url
     store = OAuthStore(db, issuer)
-    server: MCPServer = MCPServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
+    # serverInfo names the release (clients show it; the 2026-07-28 `_meta` stamp counts on a version).
+    server: MCPServer = MCPServer(name="toastmachine", title="ToastMachine",
+                                  version=importlib.metadata.version("toastmachine"), instructions=INSTRUCTIONS)
     tools(server, ToolDeps(db=db, settings=settings))
     mcp_app = server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
 

@@ -45,6 +45,7 @@ const readBack = structured('get_conversation', await client.callTool({
 console.log(JSON.stringify({
   sdk: '@modelcontextprotocol/sdk',
   protocol_version: transport.protocolVersion,
+  server: client.getServerVersion(),
   tools: tools.map((t) => t.name),
   whoami,
   created,

@@ -50,6 +50,7 @@ const readBack = structured('get_conversation', await client.callTool({
 console.log(JSON.stringify({
   sdk: '@modelcontextprotocol/client',
   protocol_version: client.getNegotiatedProtocolVersion(),
+  server: client.getServerVersion(),
   tools: tools.map((t) => t.name),
   whoami,
   created,
