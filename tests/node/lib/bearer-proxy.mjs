@@ -54,4 +54,8 @@ const server = http.createServer((req, res) => {
 server.listen(Number(port), '127.0.0.1', () => {
   console.log(`proxy listening on http://127.0.0.1:${server.address().port}`);
 });
-process.on('SIGTERM', () => server.close(() => process.exit(0)));
+process.on('SIGTERM', () => {
+  // Open SSE streams would hold close() forever: end every connection, then exit.
+  server.closeAllConnections();
+  server.close(() => process.exit(0));
+});
