@@ -98,11 +98,3 @@ export function args(script) {
   }
   return { url: new URL(url), agentName };
 }
-
-/** The structured content of a successful tool result; throws with the result otherwise. */
-export function structured(name, result) {
-  if (result.isError || !result.structuredContent) {
-    throw new Error(`${name} failed: ${JSON.stringify(result)}`);
-  }
-  return result.structuredContent;
-}
