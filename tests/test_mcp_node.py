@@ -7,8 +7,10 @@ it with ``npm ci``) holds:
   ``client-v1.mjs`` (``@modelcontextprotocol/sdk`` 1.x, the 2025-11-25 initialize handshake). Each
   completes OAuth through its SDK's own flow (discovery, dynamic registration, PKCE; the consent page
   approved by a scripted person), lists the tools, reads the guide, calls ``whoami`` and
-  ``create_conversation`` twice with one operation token, and prints what it got as JSON. The tests
-  check, through the HTTP API and the database, that the write happened exactly once.
+  ``create_conversation`` twice with one operation token, and prints what it got as JSON. They run
+  against ``toastmachine up`` (embedded) and against the Procfile's ``mcp``, ``writer`` and ``web``
+  processes on RabbitMQ and PostgreSQL; the tests check, through the HTTP API and the database, that
+  the write happened exactly once.
 - ``@modelcontextprotocol/conformance``: every server scenario it lists for 2025-11-25 and 2026-07-28
   except those ``conformance-skip.json`` names (with the reason) must pass, through a proxy that adds
   the bearer token (the suite cannot authenticate); and its authorization-server scenarios, with
@@ -37,6 +39,7 @@ import httpx2
 import pytest
 
 from tests import procs, services
+from tests.deployment import deployment
 from tests.test_mcp_oauth import sdk_oauth_client
 from tests.test_mcp_process import TOOL_NAMES
 
@@ -72,7 +75,7 @@ def node_modules() -> None:
 
 @dataclass
 class Up:
-    """A running ``toastmachine up``: its web front and MCP URLs."""
+    """A node under test: its web front and MCP URLs, and the process serving MCP."""
 
     web: str
     mcp: str
@@ -156,11 +159,22 @@ async def test_node_sdk_clients_on_the_embedded_node(tmp_path: Path) -> None:
     assert corpus["counts"]["conversations"] == len(CLIENTS), corpus["counts"]
 
 
-async def test_node_sdk_clients_on_rabbitmq_and_postgres(
+async def test_node_sdk_clients_on_the_procfile_processes(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
-    """The same on the machine's RabbitMQ and PostgreSQL, checked in the database too."""
-    async with running_up(tmp_path, TOASTMACHINE_AMQP_URL=rabbitmq_url,
-                          TOASTMACHINE_DATABASE_URL=database_url) as up:
+    """The same against the Procfile's processes on RabbitMQ and PostgreSQL: the clients talk to the
+    ``mcp`` process alone, whose writes go over the bus to the ``writer`` process; checked in the
+    database too."""
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        await dep.start("writer", "writer-1")
+        await dep.start("web", "web-1")
+        # Started by hand: tests/deployment.py waits for the start lines of web, writer and publisher.
+        port = procs.free_port()
+        mcp = await procs.start(env={**dep.env, "TOASTMACHINE_NODE_ID": "mcp-1", "PORT": str(port)},
+                                program=("/bin/sh", "-c", dep.commands["mcp"]))
+        dep.processes["mcp-1"] = mcp  # stopped and checked for a clean exit with the others
+        mcp_url = (await mcp.wait_for_line(r"ToastMachine MCP at (http://\S+)", timeout=60)).group(1)
+        assert mcp_url == f"http://127.0.0.1:{port}/mcp"
+        up = Up(web=dep.urls["web-1"], mcp=mcp_url, process=mcp)
         reports = {script: await check_client(up, script, f"pg-{script.removesuffix('.mjs')}")
                    for script in CLIENTS}
     conn = await asyncpg.connect(database_url)
