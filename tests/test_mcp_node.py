@@ -53,6 +53,8 @@ CLIENTS = {"client-v2.mjs": "2026-07-28", "client-v1.mjs": "2025-11-25"}
 #: Scenarios that must stay applicable at each revision (so a growing skip list cannot hollow the test out).
 CORE_SCENARIOS = {"2025-11-25": {"server-initialize", "tools-list", "resources-list", "dns-rebinding-protection"},
                   "2026-07-28": {"server-stateless", "tools-list", "resources-list", "dns-rebinding-protection"}}
+#: Conformance scenarios run at once.
+CONFORMANCE_PARALLEL = 4
 #: Seconds one Node script may take.
 NODE_TIMEOUT = 120.0
 
@@ -254,16 +256,20 @@ async def test_conformance_server_scenarios(tmp_path: Path) -> None:
         try:
             await proxy.wait_for_line(r"proxy listening on", timeout=30)
             token_file.write_text(await bearer_token(up.mcp))
-            results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-            for revision in REVISIONS:
-                out_dir = tmp_path / f"conformance-{revision}"
-                for scenario in listed[revision]:
-                    if scenario in not_applicable:
-                        continue
-                    code, out, err = await conformance("server", "--url", up.mcp, "--scenario", scenario,
-                                                       "--spec-version", revision, "-o", str(out_dir))
-                    assert code in (0, 1), f"{scenario}: the suite itself failed ({code}):\n{err}\n{out}"
-                results[revision] = checks_of(out_dir)
+            # One suite process per scenario (the CLI takes one), a few at a time: each spends most
+            # of its time starting Node, and the scenarios are independent sessions.
+            limit = asyncio.Semaphore(CONFORMANCE_PARALLEL)
+
+            async def run(revision: str, scenario: str) -> None:
+                async with limit:
+                    code, out, err = await conformance(
+                        "server", "--url", up.mcp, "--scenario", scenario, "--spec-version", revision,
+                        "-o", str(tmp_path / f"conformance-{revision}"))
+                assert code in (0, 1), f"{scenario}: the suite itself failed ({code}):\n{err}\n{out}"
+
+            await asyncio.gather(*(run(revision, scenario) for revision in REVISIONS
+                                   for scenario in listed[revision] if scenario not in not_applicable))
+            results = {revision: checks_of(tmp_path / f"conformance-{revision}") for revision in REVISIONS}
         finally:
             await proxy.stop()
 
