@@ -161,9 +161,13 @@ class MemoryStorage(TokenStorage):
 
 
 def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
-                     client_name: str = "SDK test client") -> tuple[OAuthClientProvider, MemoryStorage]:
+                     client_name: str = "SDK test client", client_metadata_url: str | None = None,
+                     ) -> tuple[OAuthClientProvider, MemoryStorage]:
     """The SDK's own OAuth client provider for ``mcp_url``, with a person who approves the consent
-    page by creating agent ``agent_name``; and the storage where it keeps its tokens."""
+    page by creating agent ``agent_name``; and the storage where it keeps its tokens.
+
+    With ``client_metadata_url`` the client uses that URL as its client id (a Client ID Metadata
+    Document) instead of registering."""
     redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def redirect_handler(url: str) -> None:
@@ -183,7 +187,7 @@ def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
     storage = MemoryStorage()
     metadata = OAuthClientMetadata(redirect_uris=[REDIRECT], client_name=client_name, scope=scope)  # type: ignore[list-item]
     return OAuthClientProvider(mcp_url, metadata, storage, redirect_handler=redirect_handler,
-                               callback_handler=callback_handler), storage
+                               callback_handler=callback_handler, client_metadata_url=client_metadata_url), storage
 
 
 async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> None:

@@ -57,6 +57,7 @@ from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.mcp.admission import AuthorizeLimiter
+from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
@@ -221,7 +222,8 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools) -> Starlette:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers."""
     issuer = settings.mcp_base_url
-    store = OAuthStore(db, issuer)
+    documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
+    store = OAuthStore(db, issuer, documents)
     server: MCPServer = MCPServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
     tools(server, ToolDeps(db=db, settings=settings))
     mcp_app = server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
@@ -241,6 +243,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     metadata.token_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.revocation_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.authorization_response_iss_parameter_supported = True
+    metadata.client_id_metadata_document_supported = True
     prm = ProtectedResourceMetadata(resource=AnyHttpUrl(store.resource), authorization_servers=[issuer],  # type: ignore[list-item]
                                     scopes_supported=list(SCOPES), resource_name="ToastMachine")
     authenticator = DigestClientAuthenticator(store)  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from actors.mcp.admission import request_address
+from actors.mcp.client_documents import is_document_client_id
 from actors.mcp.oauth import SCOPE_READ, SCOPE_WRITE, OAuthStore, PendingRequest
 from actors.web.agents import register_agent
 from infra.client_address import TrustedProxies, admission_key
@@ -144,12 +145,16 @@ class ConsentPage:
         redirect = urlsplit(pending.redirect_uri)
         scopes = "".join(f"<li><code>{e(s)}</code>: {e(_SCOPE_TEXT.get(s, s))}</li>" for s in pending.scopes)
         error = f'<p class="error" role="alert">{e(problem)}</p>' if problem else ""
+        # A client ID metadata document client: its name is self-asserted, its URL's host is not.
+        published = (f'<p>This app describes itself at <strong id="client-id-host">'
+                     f'{e(urlsplit(client.client_id).hostname or "")}</strong>.</p>\n'
+                     if is_document_client_id(client.client_id or "") else "")
         page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Connect {e(client.client_name or "an app")} to ToastMachine</title><style nonce="{nonce}">{_STYLE}</style></head>
 <body><main>
 <h1>Connect <span id="client-name">{e(client.client_name or "an unnamed app")}</span></h1>
-<p>After you decide, you go back to <strong id="redirect-host">{e(redirect.hostname or "")}</strong>.</p>
+{published}<p>After you decide, you go back to <strong id="redirect-host">{e(redirect.hostname or "")}</strong>.</p>
 <p>It asks to:</p><ul id="scopes">{scopes}</ul>
 {error}
 <form method="post" action="/consent">
