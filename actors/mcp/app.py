@@ -61,6 +61,7 @@ from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
+from actors.mcp.server import ToastMachineServer
 from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
@@ -224,7 +225,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     issuer = settings.mcp_base_url
     documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
     store = OAuthStore(db, issuer, documents)
-    server: MCPServer = MCPServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
+    server: MCPServer = ToastMachineServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
     tools(server, ToolDeps(db=db, settings=settings))
     mcp_app = server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
 
