@@ -81,7 +81,8 @@ def _pkce() -> tuple[str, str]:
 
 
 async def _consent(http: httpx.AsyncClient, consent_url: str, *, name: str | None = None,
-                   action: str = "approve", credential: str | None = None) -> httpx.Response:
+                   action: str = "approve", credential: str | None = None, show_credential: bool = False,
+                   ) -> httpx.Response:
     page = await http.get(consent_url)
     assert page.status_code == 200, page.text
     assert "nonce-" in page.headers["content-security-policy"]
@@ -91,6 +92,8 @@ async def _consent(http: httpx.AsyncClient, consent_url: str, *, name: str | Non
         form.update(mode="link", credential=credential)
     else:
         form.update(mode="create", name=name or f"app-{secrets.token_hex(4)}")
+        if show_credential:
+            form["show_credential"] = "1"
     return await http.post(consent_url.split("?")[0], data=form)
 
 
@@ -440,6 +443,41 @@ async def test_link_existing_agent_by_credential(front: Front) -> None:
         assert back.status_code == 303
     grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
     assert grant_agent == agent.agent_id
+
+
+async def test_a_new_agents_credential_is_shown_once_when_asked_and_links_a_second_app(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        page = await _consent(http, r.headers["location"], name="shown-once", show_credential=True)
+        assert page.status_code == 200, page.text
+        assert page.headers["cache-control"] == "no-store" and "form-action 'none'" in page.headers[
+            "content-security-policy"]
+        found = re.search(r'<code id="credential">(tm_[A-Za-z0-9_-]{43})</code>', page.text)
+        assert found is not None
+        credential = found.group(1)
+        # Only its hash is kept, on the agent the grant acts as.
+        row = await front.db.pool.fetchrow(
+            "select a.name from agents a join oauth_grants g using (agent_id) where a.credential_hash = $1",
+            hashlib.sha256(credential.encode()).digest())
+        assert row is not None and row["name"] == "shown-once"
+        # Continue goes back to the app with the code, which exchanges as usual.
+        link = re.search(r'<a id="continue" href="([^"]+)"', page.text)
+        assert link is not None
+        query = parse_qs(urlsplit(link.group(1).replace("&amp;", "&")).query)
+        assert query["state"] == ["st-1"] and query["iss"] == [front.base]
+        assert (await _exchange(http, front.base, client["client_id"], query["code"][0], verifier)).status_code == 200
+        # The credential connects a second app as the same agent.
+        other = await _register(http, front.base, client_name="Second app")
+        r = await _authorize(http, front.base, other["client_id"], challenge)
+        assert (await _consent(http, r.headers["location"], credential=credential)).status_code == 303
+        # Without the box ticked nobody sees a credential: straight back to the app.
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        back = await _consent(http, r.headers["location"], name="never-shown")
+        assert back.status_code == 303 and "tm_" not in back.text
+    agents = await front.db.pool.fetch("select distinct a.name from oauth_grants g join agents a using (agent_id)")
+    assert sorted(r["name"] for r in agents) == ["never-shown", "shown-once"]
 
 
 async def test_client_record_with_a_field_removed_is_refused(front: Front) -> None:
