@@ -297,9 +297,16 @@ async def test_wrong_resource_is_refused(front: Front) -> None:
         verifier, challenge = _pkce()
         r = await _authorize(http, front.base, client["client_id"], challenge, resource="https://other.example/mcp")
         assert r.status_code == 302 and "error=invalid_target" in r.headers["location"]
+        # Foreign: this origin, but not its MCP endpoint.
+        r = await _authorize(http, front.base, client["client_id"], challenge, resource=front.base + "/")
+        assert r.status_code == 302 and "error=invalid_target" in r.headers["location"]
         code = await _code(http, front.base, client["client_id"], challenge)
-        r = await _exchange(http, front.base, client["client_id"], code, verifier, resource="https://other.example/mcp")
-        assert r.status_code == 400 and r.json()["error"] == "invalid_target"
+        for resource in ("https://other.example/mcp", front.base + "/mcp/other"):
+            r = await _exchange(http, front.base, client["client_id"], code, verifier, resource=resource)
+            assert r.status_code == 400 and r.json()["error"] == "invalid_target"
+        # No effect: the code is still good for the right resource.
+        r = await _exchange(http, front.base, client["client_id"], code, verifier, resource=front.base + "/mcp")
+        assert r.status_code == 200, r.text
 
 
 # --- codes, tokens, refresh ----------------------------------------------------------------------------
@@ -318,9 +325,43 @@ async def test_code_reuse_revokes_what_the_first_use_issued(front: Front) -> Non
         assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
 
 
-async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: str) -> httpx.Response:
+async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: str, **extra: str,
+                   ) -> httpx.Response:
     return await http.post(base + "/token", data={"grant_type": "refresh_token", "refresh_token": refresh,
-                                                  "client_id": client_id})
+                                                  "client_id": client_id, **extra})
+
+
+async def test_refresh_negatives_are_refused_with_no_effect(front: Front) -> None:
+    """Another client's refresh token, a token of the wrong kind, a wider scope, a foreign resource,
+    an expired refresh token: each refused; none rotates or revokes the family."""
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)  # read only
+        other = await _register(http, front.base)
+        refresh = tokens["refresh_token"]
+        refusals = [
+            (await _refresh(http, front.base, other["client_id"], refresh), "invalid_grant"),
+            (await _refresh(http, front.base, client_id, tokens["access_token"]), "invalid_grant"),
+            (await _refresh(http, front.base, client_id, refresh, scope="toastmachine:read toastmachine:write"),
+             "invalid_scope"),
+            (await _refresh(http, front.base, client_id, refresh, resource="https://other.example/mcp"),
+             "invalid_target"),
+            (await _refresh(http, front.base, client_id, refresh, resource=front.base + "/other"), "invalid_target"),
+        ]
+        for response, error in refusals:
+            assert response.status_code == 400 and response.json()["error"] == error, response.text
+        # A refresh token is no bearer token.
+        bearer = {**_MCP_HEADERS, "Authorization": f"Bearer {refresh}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=bearer)).status_code == 401
+        # No effect: the token was never rotated and the family is live.
+        assert await front.db.pool.fetchval("select count(*) from oauth_tokens where rotated_at is not null") == 0
+        assert await front.db.pool.fetchval("select count(*) from oauth_grants where revoked_at is not null") == 0
+        ok = await _refresh(http, front.base, client_id, refresh)
+        assert ok.status_code == 200, ok.text
+        # An expired refresh token is refused too.
+        await front.db.pool.execute("update oauth_tokens set expires_at = now() - interval '1 second'"
+                                    " where kind = 'refresh'")
+        expired = await _refresh(http, front.base, client_id, ok.json()["refresh_token"])
+        assert expired.status_code == 400 and expired.json()["error"] == "invalid_grant"
 
 
 async def test_refresh_rotates_grace_retry_gets_same_pair_and_late_reuse_revokes_family(front: Front) -> None:
