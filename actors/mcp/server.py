@@ -25,6 +25,7 @@ class ToastMachineServer(MCPServer):
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None,
                         ) -> CallToolResult | InputRequiredResult:
+        # The SDK's own registry (MCPServer has no public lookup by name; list_tools builds every schema).
         if self._tool_manager.get_tool(name) is None:
             return results.unknown_tool()
         try:
