@@ -299,6 +299,12 @@ async def test_wrong_argument_types_get_the_error_envelope_naming_the_argument(s
             for leaked in ("plenty", "<script>", "12345", "SELECT", "perhaps", "loves", "pydantic", "validation error",
                            "Input should"):
                 assert leaked not in text, (tool, leaked)
+        # An argument the tool does not take is refused, not dropped (a misspelt filter would widen a read).
+        typo = await mcp.error("get_messages", limt=5, author="typed-mcp")
+        assert (typo["upstream_code"], typo["field"], typo["fields"]) == ("unknown_argument", "limt", ["limt"])
+        assert "limit" in typo["recovery_action"]
+        long_name = await mcp.error("whoami", **{"x" * 5000: 1})
+        assert len(orjson.dumps(long_name)) < 1500 and long_name["field"].endswith("…")
         unknown = await mcp.error("drop_table_agents", limit=1)
         assert (unknown["category"], unknown["upstream_code"], unknown["http_status"]) == (
             "not_found", "unknown_tool", 404)

@@ -17,7 +17,7 @@ import orjson
 from mcp_types import CallToolResult, TextContent
 from pydantic import ValidationError
 
-from protocol.errors import ApiError
+from protocol.errors import LIST_LIMIT, ApiError, clip, quote_all
 
 #: HTTP status → the category an MCP client branches on.
 _CATEGORIES = {
@@ -121,3 +121,12 @@ def unknown_tool() -> CallToolResult:
     return failure("not_found", "This server has no tool of that name.", retryable=False, outcome="not_applied",
                    recovery_action="Call tools/list for the tools this server offers.", http_status=404,
                    upstream_code="unknown_tool")
+
+
+def unknown_arguments(unknown: list[str], accepted: list[str]) -> CallToolResult:
+    """Arguments the tool does not take (names quoted and bounded, as for an unknown HTTP field)."""
+    listed = ", ".join(accepted) if accepted else "none"
+    return failure("invalid_argument", f"Unknown argument(s): {quote_all(unknown)}.", retryable=False,
+                   outcome="not_applied", recovery_action=f"Send only the arguments this tool takes: {listed}.",
+                   http_status=400, upstream_code="unknown_argument",
+                   extra={"field": clip(unknown[0]), "fields": [clip(u) for u in unknown[:LIST_LIMIT]]})

@@ -5,7 +5,9 @@ arguments do not fit (a string where an integer goes, a required argument missin
 tool we serve would otherwise get the SDK's plain-text error, which quotes the caller's values and
 pydantic's wording. :class:`ToastMachineServer` answers those calls with the same ``isError``
 envelope as every other refusal (:mod:`actors.mcp.results`), with fixed text that names only the
-argument (a name from the tool's own schema), never the value sent.
+argument (a name from the tool's own schema), never the value sent. An argument the tool does not
+take is refused too (the SDK would ignore it), quoting its name as the HTTP API quotes an unknown
+parameter (bounded, :func:`protocol.errors.quote`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ class ToastMachineServer(MCPServer):
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None,
                         ) -> CallToolResult | InputRequiredResult:
         # The SDK's own registry (MCPServer has no public lookup by name; list_tools builds every schema).
-        if self._tool_manager.get_tool(name) is None:
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
             return results.unknown_tool()
+        # The SDK would drop an argument the tool does not take; the HTTP API refuses an unknown
+        # parameter or field, and so does a tool (a misspelt filter must not silently widen a read).
+        accepted = tool.parameters.get("properties", {})
+        unknown = [key for key in arguments if key not in accepted]
+        if unknown:
+            return results.unknown_arguments(unknown, sorted(accepted))
         try:
             return await super().call_tool(name, arguments, context)
         except UnexpectedToolError:
