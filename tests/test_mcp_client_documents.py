@@ -125,6 +125,15 @@ async def documents(tmp_path: Path) -> AsyncIterator[DocumentServer]:
         if name == "slow.json":
             await server.release.wait()  # never answers until the test ends
             return json(_document(url))
+        if name == "too-large-chunked.json":  # no Content-Length: the cap must hold while reading
+            stream = web.StreamResponse(headers={"Content-Type": "application/json"})
+            stream.enable_chunked_encoding()
+            await stream.prepare(request)
+            for _ in range(4):
+                await stream.write(b" " * 2048)
+            await stream.write(orjson.dumps(_document(url)))
+            await stream.write_eof()
+            return stream
         made = handlers[name](url)
         if isinstance(made, web.HTTPException):
             raise made
@@ -197,7 +206,7 @@ async def test_consent_page_names_the_documents_host(front: Front, documents: Do
     assert "Document app" in page.text
 
 
-@pytest.mark.parametrize("name", ["other-name.json", "too-large.json", "bad-redirect.json", "with-secret.json",
+@pytest.mark.parametrize("name", ["other-name.json", "too-large.json", "too-large-chunked.json", "bad-redirect.json", "with-secret.json",
                                   "moved.json", "not-json.json", "missing.json"])
 async def test_unacceptable_documents_are_refused_and_nothing_is_stored(
         front: Front, documents: DocumentServer, name: str) -> None:
