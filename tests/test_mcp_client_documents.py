@@ -307,3 +307,30 @@ async def test_cleanup_drops_long_stale_document_copies_without_grants(front: Fr
     await delete_expired(front.db)
     assert await _stored(front.db, unused) == 0
     assert await _stored(front.db, granted) == 1  # a grant refers to it
+
+
+async def test_two_mcp_nodes_share_one_fetched_copy(front: Front, documents: DocumentServer) -> None:
+    url = documents.url("good.json")
+    _, challenge = _pkce()
+    async with serve(front.db, _free_port(), mcp_cimd_allow_private=True,  # type: ignore[arg-type]
+                     mcp_cimd_ca_file=documents.ca_file) as second, httpx.AsyncClient() as http:
+        r = await _authorize(http, front.base, url, challenge)
+        assert r.status_code == 302, r.text
+        # The consent page on the other node: the pending request and the client are in PostgreSQL.
+        consent = r.headers["location"].replace(front.base, second.base)
+        back = await _consent(http, consent)
+        assert back.status_code == 303, back.text
+        assert (await _authorize(http, second.base, url, challenge)).status_code == 302
+    assert documents.hits["good.json"] == 1
+
+
+async def test_a_cached_document_with_a_field_removed_is_refused(front: Front, documents: DocumentServer) -> None:
+    url = documents.url("good.json")
+    _, challenge = _pkce()
+    async with httpx.AsyncClient() as http:
+        assert (await _authorize(http, front.base, url, challenge)).status_code == 302
+        await front.db.pool.execute("update oauth_clients set metadata = metadata - 'redirect_uris'"
+                                    " where client_id = $1", url)
+        r = await _authorize(http, front.base, url, challenge)
+    assert r.status_code == 400, r.text  # fail closed: never read as valid, never silently refetched
+    assert documents.hits["good.json"] == 1

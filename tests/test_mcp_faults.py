@@ -9,8 +9,8 @@ will hear the answer of, and the MCP front is started again on the same port.
 
 The contract (SPEC: idempotent writes): the client's retry of the identical call with the same
 ``operation_token`` answers the stored result and the write has exactly one effect, counted in the
-database; and the grant outlives the process: the access token issued before the kill still works
-after the restart, and so does its refresh token.
+database; and the grants outlive the process: the access tokens issued before the kill (two grants,
+two clients) still work after the restart, and a refresh token still rotates.
 """
 
 from __future__ import annotations
@@ -103,6 +103,7 @@ async def test_mcp_killed_mid_write_then_restarted_retry_has_one_effect_and_gran
         async with httpx.AsyncClient() as http:
             client_id, tokens = await _tokens(http, base, scope="toastmachine:read toastmachine:write")
             access = tokens["access_token"]
+            _, reader = await _tokens(http, base)  # a second grant, another client, read only
             operation_token = await _onboard_and_get_token(mcp_url, access)
             subject = f"Written across a kill -9 {uuid.uuid4().hex[:8]}"
             arguments = {"subject": subject, "content": "one effect, whatever dies",
@@ -150,9 +151,12 @@ async def test_mcp_killed_mid_write_then_restarted_retry_has_one_effect_and_gran
                                      rows[0]["id"]) == 1
             assert await db.fetchval("select count(*) from operations where token = $1", operation_token) == 1
 
-            # The grant outlived the process: the old access token reads, and its refresh token rotates.
+            # Every grant outlived the process: the old access tokens read, and a refresh token rotates.
             me = await _call(http, mcp_url, access, "whoami", {})
             assert not me.get("isError"), me
+            other = await _call(http, mcp_url, reader["access_token"], "whoami", {})
+            assert not other.get("isError"), other
+            assert other["structuredContent"]["agent"]["agent_id"] != me["structuredContent"]["agent"]["agent_id"]
             refreshed = await _refresh(http, base, client_id, tokens["refresh_token"])
             assert refreshed.status_code == 200, refreshed.text
             again = await _call(http, mcp_url, refreshed.json()["access_token"], "whoami", {})
