@@ -185,14 +185,20 @@ async def test_sdk_client_uses_its_document_url_as_client_id(front: Front, docum
     assert documents.hits["good.json"] == 1
 
 
-async def test_no_store_document_is_fetched_again_on_each_use(front: Front, documents: DocumentServer) -> None:
-    url = documents.url("no-store.json")
+async def test_cache_lifetime_follows_cache_control_within_bounds(front: Front, documents: DocumentServer) -> None:
     _, challenge = _pkce()
+    lifetimes = {}
     async with httpx.AsyncClient() as http:
-        for expected in (1, 2):
+        for name in ("good.json", "no-store.json"):
+            url = documents.url(name)
             r = await _authorize(http, front.base, url, challenge)
             assert r.status_code == 302 and "/consent?request=" in r.headers["location"], r.text
-            assert documents.hits["no-store.json"] == expected
+            assert documents.hits[name] == 1  # one fetch for the whole request
+            lifetimes[name] = await front.db.pool.fetchval(
+                "select (metadata->'tm_document'->>'expires_at')::float8 - extract(epoch from now())"
+                " from oauth_clients where client_id = $1", url)
+    assert 590 < lifetimes["good.json"] <= 600  # max-age=600
+    assert 0 < lifetimes["no-store.json"] <= 10  # no-store: only for the steps of one authorization
 
 
 async def test_consent_page_names_the_documents_host(front: Front, documents: DocumentServer) -> None:
@@ -334,3 +340,19 @@ async def test_a_cached_document_with_a_field_removed_is_refused(front: Front, d
         r = await _authorize(http, front.base, url, challenge)
     assert r.status_code == 400, r.text  # fail closed: never read as valid, never silently refetched
     assert documents.hits["good.json"] == 1
+
+
+async def test_only_an_authorization_request_fetches_a_new_document(front: Front,
+                                                                    documents: DocumentServer) -> None:
+    url = documents.url("good.json")
+    async with httpx.AsyncClient() as http:
+        r = await http.post(front.base + "/token", data={"grant_type": "authorization_code", "code": "tmc_x",
+                                                         "redirect_uri": REDIRECT, "client_id": url,
+                                                         "code_verifier": "v" * 43})
+        assert r.status_code == 401 and r.json()["error"] == "invalid_client", r.text
+        r = await http.post(front.base + "/revoke", data={"token": "tma_x", "client_id": url})
+        assert r.status_code == 401, r.text
+        assert documents.hits == {}  # unauthenticated endpoints make the node fetch nothing new
+        _, challenge = _pkce()
+        assert (await _authorize(http, front.base, url, challenge)).status_code == 302
+    assert documents.hits == {"good.json": 1}

@@ -263,7 +263,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
-        Route("/authorize", endpoint(_LimitedAuthorize(limiter, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
+        Route("/authorize", endpoint(_LimitedAuthorize(limiter, store, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
               methods=["GET", "POST"]),
         Route("/token", cors_middleware(token.handle, ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/register", cors_middleware(RegistrationHandler(store, options=registration).handle,  # type: ignore[arg-type]
@@ -284,15 +284,26 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
 
 class _LimitedAuthorize:
-    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it)."""
+    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it).
 
-    def __init__(self, limiter: AuthorizeLimiter, inner: AuthorizationHandler) -> None:
+    Within the budget, a ``client_id`` that is a metadata document URL is fetched first
+    (:meth:`OAuthStore.prepare_document_client`): the one place a new document is fetched.
+    """
+
+    def __init__(self, limiter: AuthorizeLimiter, store: OAuthStore, inner: AuthorizationHandler) -> None:
         self.limiter = limiter
+        self.store = store
         self.inner = inner
 
     async def handle(self, request: Request) -> Response:
         refused = await self.limiter.refuse(request)
-        return refused if refused is not None else await self.inner.handle(request)
+        if refused is not None:
+            return refused
+        params = request.query_params if request.method == "GET" else await request.form()
+        client_id = params.get("client_id")
+        if isinstance(client_id, str):
+            await self.store.prepare_document_client(client_id)
+        return await self.inner.handle(request)
 
 
 class _ResourceCheckedToken:

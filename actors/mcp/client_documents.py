@@ -50,7 +50,10 @@ FETCH_SECONDS = 5.0
 MAX_CONCURRENT_FETCHES = 8
 #: Longest URL accepted as a client id (the column's limit).
 MAX_URL_CHARS = 200
-#: Cache bounds: a document is kept at least this long unless it says ``no-store``/``no-cache``...
+#: How long a document that says ``no-store`` or ``no-cache`` is kept: just long enough for the
+#: steps of one authorization (authorize, consent, token) not to fetch it again each.
+NO_STORE_SECONDS = 10
+#: Cache bounds: any other document is kept at least this long...
 MIN_CACHE_SECONDS = 60
 #: ...and at most this long, whatever its ``Cache-Control`` says.
 MAX_CACHE_SECONDS = 24 * 3600
@@ -127,7 +130,7 @@ def cache_seconds(cache_control: str | None) -> int:
         return DEFAULT_CACHE_SECONDS
     directives = [d.strip().lower() for d in cache_control.split(",")]
     if "no-store" in directives or "no-cache" in directives:
-        return 0
+        return NO_STORE_SECONDS
     for directive in directives:
         name, _, value = directive.partition("=")
         if name.strip() == "max-age":

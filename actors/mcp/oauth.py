@@ -285,7 +285,7 @@ class OAuthStore:
         if len(client_id) > 200:
             return None
         if is_document_client_id(client_id):
-            return await self._document_client(client_id)
+            return await self._document_client(client_id, first_fetch=False)
         row = await self.db.pool.fetchrow(
             "select client_id, client_secret_hash, metadata from oauth_clients where client_id = $1", client_id)
         if row is None:
@@ -335,14 +335,25 @@ class OAuthStore:
         log.info("oauth.client_registered", client_id=client_info.client_id,
                  auth_method=client_info.token_endpoint_auth_method)
 
-    async def _document_client(self, url: str) -> RegisteredClient | None:
+    async def prepare_document_client(self, client_id: str) -> None:
+        """Fetch and keep the document of a URL ``client_id`` not seen before (or stale).
+
+        Called only by the authorization endpoint, behind its per-address budget: the other
+        endpoints (token, revocation, consent) refresh a stale copy but never fetch a document for a
+        client id nobody started an authorization with, so unauthenticated requests cannot make the
+        node fetch arbitrary URLs at will."""
+        if len(client_id) <= 200 and is_document_client_id(client_id):
+            await self._document_client(client_id, first_fetch=True)
+
+    async def _document_client(self, url: str, *, first_fetch: bool) -> RegisteredClient | None:
         # A client ID metadata document: the copy in oauth_clients while it is fresh, else fetch again.
         row = await self.db.pool.fetchrow(
-            "select client_id, client_secret_hash, metadata from oauth_clients where client_id = $1"
-            " and (metadata->'tm_document'->>'expires_at')::float8 > extract(epoch from now())", url)
-        if row is not None:
+            "select client_id, client_secret_hash, metadata,"
+            " (metadata->'tm_document'->>'expires_at')::float8 > extract(epoch from now()) as fresh"
+            " from oauth_clients where client_id = $1", url)
+        if row is not None and row["fresh"]:
             return self._client_from_row(row)
-        if self.documents is None:
+        if self.documents is None or (row is None and not first_fetch):
             return None
         try:
             fetched = await self.documents.fetch(url)
