@@ -98,6 +98,8 @@ class Settings:
     mcp_public_url: str | None = None
     #: Authorization requests per client address per minute, on all MCP nodes together.
     mcp_authorize_per_minute: int = 30
+    #: Seconds between the MCP front's reads of the guide's version (a change is announced to subscribers).
+    mcp_guide_poll: float = 30.0
     #: This process's name in logs, pong replies and per-node queues.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -168,6 +170,7 @@ class Settings:
             mcp_public_url=get("MCP_PUBLIC_URL", _public_origin, None),
             mcp_authorize_per_minute=get("MCP_AUTHORIZE_PER_MINUTE", _int(1, 1_000_000),
                                          d.mcp_authorize_per_minute),
+            mcp_guide_poll=get("MCP_GUIDE_POLL", _float(0.1, 86400), d.mcp_guide_poll),
             node_id=get("NODE_ID", _node_id, d.node_id),
         )
 

@@ -89,7 +89,7 @@ class McpFront(Actor):
         hub = NotificationHub(node.bus, node.db, node_id=settings.node_id,
                               scope=node.identity.scope if node.identity is not None else None,
                               heartbeat=settings.stream_heartbeat)
-        self._notifier = ResourceNotifier(hub, bus, node.db)
+        self._notifier = ResourceNotifier(hub, bus, node.db, guide_poll=settings.mcp_guide_poll)
         self._listen = ScopedListen(bus, current_grant)
         self._legacy = LegacySubscriptions(bus, current_grant)
 
