@@ -18,8 +18,8 @@ UUID here). Results are SPEC §3's representations, except that a list's ``next`
 call the tool again with (see :mod:`actors.mcp.schemas`). Every tool checks its scope first; a missing
 scope is an ``insufficient_scope`` error result and nothing runs.
 
-Not here yet (other slices of issue #10): the MCP process, transport and OAuth (``actors/mcp/app.py``,
-``grants.py``), notifications, and the benchmark.
+Elsewhere: the MCP process, transport and OAuth (``actors/mcp/front.py``, ``app.py``, ``grants.py``) and
+the resource-updated notifications (``notify.py``).
 """
 
 from __future__ import annotations
