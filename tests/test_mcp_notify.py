@@ -196,28 +196,34 @@ async def test_a_write_on_another_web_node_and_a_new_guide_notify_both_revisions
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
         web, mcp_url = await _processes(dep, TOASTMACHINE_MCP_GUIDE_POLL="0.2")
-        async with httpx.AsyncClient(timeout=30) as http, \
-                listening(mcp_url, "listener") as modern, subscribed(mcp_url, "subscriber") as legacy:
-            agent = await _author(http, web)
-            sequence = await _write(http, web, agent, "the first")
-            await modern.inbox.wait_for(CORPUS, after=0)
-            # What the hint points at: the corpus resource now shows the write.
-            assert await _head(modern.client) >= sequence
-            await _notified_by_writes(legacy.inbox, lambda: _write(http, web, agent, "another"))
-            assert GUIDE not in modern.inbox.uris + legacy.inbox.uris  # nothing changed it yet
+        async with httpx.AsyncClient(timeout=30) as http, listening(mcp_url, "listener") as modern:
+            async with subscribed(mcp_url, "subscriber") as legacy:
+                agent = await _author(http, web)
+                sequence = await _write(http, web, agent, "the first")
+                await modern.inbox.wait_for(CORPUS, after=0)
+                # What the hint points at: the corpus resource now shows the write.
+                assert await _head(modern.client) >= sequence
+                await _notified_by_writes(legacy.inbox, lambda: _write(http, web, agent, "another"))
+                assert GUIDE not in modern.inbox.uris + legacy.inbox.uris  # nothing changed it yet
 
-            # The operator replaces the guide (straight into the database, no event): both are told.
-            seen = len(modern.inbox.uris), len(legacy.inbox.uris)
-            env = {**dep.env, "TOASTMACHINE_NODE_ID": "operator"}
-            run = await asyncio.create_subprocess_exec(
-                "toastmachine", "guide", "set", "-", env=env, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            _, err = await asyncio.wait_for(run.communicate(b"# A new guide\n\nRead before you write.\n"), 60)
-            assert run.returncode == 0, err.decode()
-            await modern.inbox.wait_for(GUIDE, after=seen[0])
-            await legacy.inbox.wait_for(GUIDE, after=seen[1])
-            guide = (await modern.client.read_resource(GUIDE)).contents[0]
-            assert isinstance(guide, TextResourceContents) and "A new guide" in guide.text
+                # The operator replaces the guide (straight into the database, no event): both are told.
+                seen = len(modern.inbox.uris), len(legacy.inbox.uris)
+                env = {**dep.env, "TOASTMACHINE_NODE_ID": "operator"}
+                run = await asyncio.create_subprocess_exec(
+                    "toastmachine", "guide", "set", "-", env=env, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                _, err = await asyncio.wait_for(run.communicate(b"# A new guide\n\nRead before you write.\n"), 60)
+                assert run.returncode == 0, err.decode()
+                await modern.inbox.wait_for(GUIDE, after=seen[0])
+                await legacy.inbox.wait_for(GUIDE, after=seen[1])
+                guide = (await modern.client.read_resource(GUIDE)).contents[0]
+                assert isinstance(guide, TextResourceContents) and "A new guide" in guide.text
+
+            # The 2025-11-25 client left (the SDK ends its session with DELETE): the next change
+            # finds its session gone and the node forgets the subscription.
+            await _write(http, web, agent, "after the subscriber left")
+            await until(lambda: logged(dep.processes["mcp-a"], "mcp.notify.session_gone"),
+                        "the MCP node forgot the ended session", timeout=NOTIFIED_WITHIN)
 
 
 @pytest.mark.fault

@@ -150,6 +150,8 @@ class ResourceNotifier:
                 current = (await current_guide(self.db)).version
             except UNAVAILABLE_ERRORS as e:
                 log.warning("mcp.notify.guide_unreadable", error=type(e).__name__)
+            except Exception as e:  # noqa: BLE001 - keep watching: a bad read must not end the notifications
+                log.error("mcp.notify.guide_check_failed", error=type(e).__name__)
             else:
                 if version is not None and current != version:
                     self.mark(GUIDE_URI)
@@ -174,7 +176,9 @@ class LegacySubscriptions:
 
     A session is known by its ``Mcp-Session-Id``; its notifications go to its standalone stream
     (the GET stream the client keeps open; without one the transport drops them, which a hint
-    allows). A session whose send fails (it ended) is forgotten.
+    allows). A session that ended (the client's DELETE, the idle timeout) is forgotten at the next
+    event, or when a new session needs its place: sends to an ended session are dropped without an
+    error, so :attr:`alive` (set by :func:`register_subscriptions`) is asked.
 
     Args:
         bus: the MCP server's subscription bus (the same one the listen streams read).
@@ -188,6 +192,8 @@ class LegacySubscriptions:
         self.limit = limit
         self._sessions: dict[str, _Session] = {}
         self._unsubscribe: Callable[[], None] | None = None
+        #: Whether the session with this id still exists.
+        self.alive: Callable[[str], bool] = lambda _session_id: True
 
     @property
     def sessions(self) -> int:
@@ -217,6 +223,8 @@ class LegacySubscriptions:
         key = self._check(ctx, str(params.uri))
         entry = self._sessions.get(key)
         if entry is None:
+            if len(self._sessions) >= self.limit:
+                self._prune()
             if len(self._sessions) >= self.limit:
                 raise MCPError(INVALID_REQUEST, "This server has as many subscribed sessions as it serves; retry later.")
             entry = self._sessions[key] = _Session(ctx.session)
@@ -250,6 +258,7 @@ class LegacySubscriptions:
         # The bus calls this synchronously on the event loop: mark, and start a sender where none runs.
         if not isinstance(event, ResourceUpdated):
             return
+        self._prune()
         for key, entry in self._sessions.items():
             if event.uri in entry.uris:
                 entry.pending.add(event.uri)
@@ -262,11 +271,16 @@ class LegacySubscriptions:
                 uri = min(entry.pending)
                 entry.pending.discard(uri)
                 await entry.session.send_resource_updated(uri)
-        except Exception as e:  # noqa: BLE001 - the session ended (or its stream broke): forget it
-            log.info("mcp.notify.session_gone", error=type(e).__name__)
+        except Exception as e:  # noqa: BLE001 - the session's stream broke: forget it
+            log.info("mcp.notify.session_gone", reason=type(e).__name__)
             self._forget(key)
         finally:
             entry.sender = None
+
+    def _prune(self) -> None:
+        for key in [key for key in self._sessions if not self.alive(key)]:
+            log.info("mcp.notify.session_gone", reason="ended")
+            self._forget(key)
 
     def _forget(self, key: str) -> None:
         entry = self._sessions.pop(key, None)
@@ -307,6 +321,13 @@ def register_subscriptions(server: MCPServer, listen: ScopedListen, legacy: Lega
     # MCPServer registers its own listen handler and none for resources/subscribe; the low-level
     # server's public add_request_handler replaces and adds them (MCPServer exposes no other way).
     lowlevel = server._lowlevel_server
+
+    def alive(session_id: str) -> bool:
+        # The session manager drops a session the moment it ends; nothing public tells it otherwise
+        # (a send to an ended session is dropped silently).
+        return session_id in server.session_manager._server_instances
+
+    legacy.alive = alive
     lowlevel.add_request_handler("subscriptions/listen", SubscriptionsListenRequestParams, listen)
     lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, legacy.subscribe)
     lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, legacy.unsubscribe)
