@@ -96,8 +96,6 @@ class ResourceNotifier:
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        #: Announcements made, per resource (for logs and tests).
-        self.announced: dict[str, int] = {uri: 0 for uri in RESOURCES}
 
     async def start(self) -> None:
         """Start the hub, then follow it and the guide."""
@@ -138,7 +136,6 @@ class ResourceNotifier:
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
             for uri in sorted(dirty):
-                self.announced[uri] += 1
                 await self.bus.publish(ResourceUpdated(uri=uri))
             # The coalescing window: whatever commits meanwhile is one announcement at its end.
             await asyncio.sleep(self.min_interval)
