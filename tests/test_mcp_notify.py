@@ -301,3 +301,28 @@ async def test_a_burst_of_writes_is_coalesced_and_get_changes_recovers_every_cha
     finally:
         code = await node.stop()
     assert code == 0, "\n".join(node.output)
+
+
+async def test_stopping_the_node_ends_open_listen_streams_gracefully(tmp_path: Path) -> None:
+    """SIGTERM while a 2026-07-28 client listens and a 2025-11-25 client is subscribed: the listen
+    stream ends with its final result (the client's loop ends, nothing is lost abruptly) and the
+    node exits 0 well within its shutdown grace period instead of waiting for the streams."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_SHUTDOWN_GRACE="20")
+    node = await procs.start("up", env=env)
+    try:
+        _, mcp_url = await _up_urls(node)
+        async with listening(mcp_url, "listener") as modern, subscribed(mcp_url, "subscriber"):
+            assert modern.reader is not None
+            started = time.monotonic()
+            node.signal()
+            async with asyncio.timeout(15):
+                await modern.reader  # the graceful close ends the iteration; an abrupt drop would raise
+            code = await node.wait(timeout=15)
+            took = time.monotonic() - started
+    finally:
+        if node.proc.returncode is None:
+            await node.stop()
+    assert code == 0, "\n".join(node.output)
+    assert took < 10, took  # the grace period is 20 s
+    assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)

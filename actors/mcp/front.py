@@ -58,6 +58,17 @@ def make_server(app: Any, *, grace: float = 10.0, **listen: Any) -> uvicorn.Serv
     return _Server(config)
 
 
+async def _end_sessions(server: MCPServer) -> None:
+    """Terminate every 2025-11-25 session of ``server``: each holds a standalone GET stream open,
+    which would make uvicorn's graceful shutdown wait its whole grace period. Sessions live in this
+    process's memory and end with it anyway; their clients get 404 and initialize again (elsewhere).
+    The SDK keeps them in its session manager's table and has no public call to end them all."""
+    transports = list(server.session_manager._server_instances.values())
+    for transport in transports:
+        if not transport.is_terminated:
+            await transport.terminate()
+
+
 class McpFront(Actor):
     """Serves the MCP endpoint and the OAuth authorization server over HTTP (uvicorn)."""
 
@@ -74,6 +85,7 @@ class McpFront(Actor):
         self._notifier: ResourceNotifier | None = None
         self._listen: ScopedListen | None = None
         self._legacy: LegacySubscriptions | None = None
+        self._mcp: MCPServer | None = None
 
     async def setup(self) -> None:
         # Bind first: with port 0 the issuer URL (which names the port) is known only after binding.
@@ -98,6 +110,7 @@ class McpFront(Actor):
             register_resources(server, deps)
             assert self._listen is not None and self._legacy is not None
             register_subscriptions(server, self._listen, self._legacy)
+            self._mcp = server
 
         app = build_app(settings, node.db, tools=register, subscriptions=bus)
         # Following before serving: a client that subscribes as soon as it can is told of what follows.
@@ -139,6 +152,8 @@ class McpFront(Actor):
         # uvicorn's graceful shutdown does not wait its whole grace period for them.
         if self._listen is not None:
             self._listen.close()
+        if self._mcp is not None:
+            await _end_sessions(self._mcp)
 
     async def drain(self, grace: float) -> None:
         if self._task is not None:
