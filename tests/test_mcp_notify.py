@@ -29,14 +29,14 @@ import orjson
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.exceptions import MCPDeprecationWarning
+from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 from mcp_types import ResourceUpdatedNotification, TextResourceContents
 
 from actors.mcp.notify import DEFAULT_MIN_INTERVAL
 from tests import procs
 from tests.corpus_fixtures import Agent
 from tests.deployment import WAIT, Deployment, deployment
-from tests.test_mcp_oauth import sdk_oauth_client
+from tests.test_mcp_oauth import _tokens, sdk_oauth_client
 from tests.test_mcp_process import _up_urls
 from tests.test_scale_out import logged, rabbitmqctl, until
 
@@ -326,3 +326,29 @@ async def test_stopping_the_node_ends_open_listen_streams_gracefully(tmp_path: P
     assert code == 0, "\n".join(node.output)
     assert took < 10, took  # the grace period is 20 s
     assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)
+
+
+async def test_a_token_without_the_read_scope_can_neither_listen_nor_subscribe(tmp_path: Path) -> None:
+    """Notifications are reads: a write-only grant is refused both ways, with fixed text."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0")
+    node = await procs.start("up", env=env)
+    try:
+        _, mcp_url = await _up_urls(node)
+        async with httpx.AsyncClient() as oauth:
+            # Straight through the endpoints: the SDK's provider asks for every scope the challenge names.
+            _, tokens = await _tokens(oauth, mcp_url.removesuffix("/mcp"), scope="toastmachine:write")
+        bearer = {"Authorization": f"Bearer {tokens['access_token']}"}
+        for mode in ("auto", "legacy"):
+            async with httpx2.AsyncClient(headers=bearer, timeout=60) as http, \
+                    _client(mcp_url, http, mode=mode) as client:
+                with pytest.raises(MCPError) as refused:
+                    if mode == "auto":
+                        async with client.listen(resource_subscriptions=[CORPUS]):
+                            pass
+                    else:
+                        with pytest.warns(MCPDeprecationWarning):
+                            await client.subscribe_resource(CORPUS)
+                assert "toastmachine:read" in str(refused.value)
+    finally:
+        code = await node.stop()
+    assert code == 0, "\n".join(node.output)
