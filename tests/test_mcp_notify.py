@@ -5,8 +5,9 @@ A 2026-07-28 client listens (``subscriptions/listen``) and a 2025-11-25 client s
 ``toastmachine://guide`` on an MCP process, while writes go through the HTTP API of another web
 process on the same RabbitMQ and PostgreSQL (the Procfile's processes), and the operator changes the
 guide with the CLI. Also: a RabbitMQ restart while both listen (they keep receiving on the same
-streams), and on the embedded node of ``toastmachine up`` a burst of writes coalesced into a few
-hints that ``get_changes`` turns back into every change.
+streams); and on the embedded node of ``toastmachine up``: a burst of writes coalesced into a few
+hints that ``get_changes`` turns back into every change, a SIGTERM with streams open (they end
+gracefully and the node does not wait out its grace period), and a write-only token refused.
 
 ``test_broker_restart_while_listening_keeps_notifying`` stops and starts the shared RabbitMQ
 (``rabbitmqctl stop_app`` / ``start_app``) for everyone on the machine, like test_scale_out's restart.
