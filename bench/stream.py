@@ -87,8 +87,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from actors.hub import DEFAULT_SUBSCRIBER_QUEUE
 from actors.web.app import make_app, make_runner
-from actors.web.hub import DEFAULT_SUBSCRIBER_QUEUE
 from bench.write import (
     DEFAULT_AMQP_URL,
     Agent,

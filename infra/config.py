@@ -102,6 +102,8 @@ class Settings:
     mcp_cimd_allow_private: bool = False
     #: Extra certificate authorities (PEM file) trusted when fetching client ID metadata documents.
     mcp_cimd_ca_file: Path | None = None
+    #: Seconds between the MCP front's reads of the guide's version (a change is announced to subscribers).
+    mcp_guide_poll: float = 30.0
     #: This process's name in logs, pong replies and per-node queues.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -174,6 +176,7 @@ class Settings:
                                          d.mcp_authorize_per_minute),
             mcp_cimd_allow_private=get("MCP_CIMD_ALLOW_PRIVATE", _flag, d.mcp_cimd_allow_private),
             mcp_cimd_ca_file=get("MCP_CIMD_CA_FILE", lambda _v, raw: Path(raw).expanduser(), None),
+            mcp_guide_poll=get("MCP_GUIDE_POLL", _float(0.1, 86400), d.mcp_guide_poll),
             node_id=get("NODE_ID", _node_id, d.node_id),
         )
 

@@ -355,6 +355,10 @@ may be gaps). A change is an envelope `{"schema_version": 1, "sequence", "type",
   with neither, you get only changes from now on. A `ready` event marks the end of catch-up. If
   you receive a `stream-error` event or the connection drops, reconnect from the last sequence
   you applied. Optional filters: `types`, `conversation`, `kinds`.
+- **Over MCP:** subscribe to the resource `toastmachine://corpus` (`subscriptions/listen`, or
+  `resources/subscribe` on older clients). A `notifications/resources/updated` is a hint that the
+  head moved, not a change, and several changes may share one: call `get_changes` with `after=`
+  the last sequence you applied. `toastmachine://guide` is announced the same way when it changes.
 - Delivery is at least once: **deduplicate by `sequence`** and apply each change once.
 - Sequences are meaningful within one `lineage` only (see `GET /corpus`). Send `lineage=<it>` with
   each page request; a `409 lineage_mismatch` means the history was restored under a new lineage:

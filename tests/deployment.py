@@ -20,7 +20,8 @@ from tests import procs
 COMMAND_TIMEOUT = 5.0
 #: Seconds a process may take to start.
 WAIT = 60.0
-STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher"}
+STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher",
+           "mcp": r"ToastMachine MCP at (http://\S+)"}
 
 
 def procfile() -> dict[str, str]:
@@ -42,11 +43,13 @@ class Deployment:
     commands: dict[str, str] = field(default_factory=procfile)
     processes: dict[str, procs.NodeProcess] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
+    #: The MCP URL (``…/mcp``) of each ``mcp`` process, by name.
+    mcp_urls: dict[str, str] = field(default_factory=dict)
 
     async def start(self, kind: str, name: str, **env: str) -> procs.NodeProcess:
         """Start process type ``kind`` as ``name`` (its node id) and wait for its start line."""
         extra = {"TOASTMACHINE_NODE_ID": name, **env}
-        if kind == "web":
+        if kind in ("web", "mcp"):  # their Procfile lines take the port from PORT
             extra.setdefault("PORT", str(procs.free_port()))
         proc = await procs.start(env={**self.env, **extra}, program=("/bin/sh", "-c", self.commands[kind]))
         self.processes[name] = proc
@@ -55,7 +58,9 @@ class Deployment:
             assert url.endswith(":" + extra["PORT"]), url
             self.urls[name] = url
         else:
-            await proc.wait_for_line(STARTED[kind], timeout=WAIT)
+            match = await proc.wait_for_line(STARTED[kind], timeout=WAIT)
+            if kind == "mcp":
+                self.mcp_urls[name] = match.group(1)
         return proc
 
     async def holder(self) -> str | None:

@@ -1,5 +1,9 @@
 """The MCP front as an actor: uvicorn serving :func:`actors.mcp.app.build_app` in the node's event loop.
 
+It also runs this node's notification hub for the MCP front (its own NODE queue bound on
+``tm.events.<corpus_id>``, :mod:`actors.hub`), which feeds the resource-updated notifications of
+:mod:`actors.mcp.notify` to ``subscriptions/listen`` streams and ``resources/subscribe`` sessions.
+
 ``toastmachine mcp`` runs it alone; ``toastmachine up`` runs it beside the other actors. uvicorn's own
 signal capture is disabled: the node handles SIGTERM/SIGINT and stops actors in phases (stop intake,
 drain within the grace period, close), and this actor maps those onto uvicorn's graceful shutdown.
@@ -16,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from mcp.server.mcpserver import MCPServer
+from mcp.server.subscriptions import InMemorySubscriptionBus
 
+from actors.hub import NotificationHub
 from actors.mcp.app import build_app
 from actors.mcp.cleanup import BATCH, delete_expired
 from actors.mcp.grants import current_grant
+from actors.mcp.notify import LegacySubscriptions, ResourceNotifier, ScopedListen, register_subscriptions
 from actors.mcp.resources import register_resources
 from actors.mcp.tools import ToolDeps, register_tools
 from infra.runtime import Actor
@@ -51,6 +58,17 @@ def make_server(app: Any, *, grace: float = 10.0, **listen: Any) -> uvicorn.Serv
     return _Server(config)
 
 
+async def _end_sessions(server: MCPServer) -> None:
+    """Terminate every 2025-11-25 session of ``server``: each holds a standalone GET stream open,
+    which would make uvicorn's graceful shutdown wait its whole grace period. Sessions live in this
+    process's memory and end with it anyway; their clients get 404 and initialize again (elsewhere).
+    The SDK keeps them in its session manager's table and has no public call to end them all."""
+    transports = list(server.session_manager._server_instances.values())
+    for transport in transports:
+        if not transport.is_terminated:
+            await transport.terminate()
+
+
 class McpFront(Actor):
     """Serves the MCP endpoint and the OAuth authorization server over HTTP (uvicorn)."""
 
@@ -64,6 +82,10 @@ class McpFront(Actor):
         self.bound_port: int | None = None
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
+        self._notifier: ResourceNotifier | None = None
+        self._listen: ScopedListen | None = None
+        self._legacy: LegacySubscriptions | None = None
+        self._mcp: MCPServer | None = None
 
     async def setup(self) -> None:
         # Bind first: with port 0 the issuer URL (which names the port) is known only after binding.
@@ -74,12 +96,26 @@ class McpFront(Actor):
         self.bound_port = sock.getsockname()[1]
         settings = dataclasses.replace(self.node.settings, mcp_port=self.bound_port)
         deps = ToolDeps.from_node(self.node, current_grant)
+        node = self.node
+        bus = InMemorySubscriptionBus()
+        hub = NotificationHub(node.bus, node.db, node_id=settings.node_id,
+                              scope=node.identity.scope if node.identity is not None else None,
+                              heartbeat=settings.stream_heartbeat)
+        self._notifier = ResourceNotifier(hub, bus, node.db, guide_poll=settings.mcp_guide_poll)
+        self._listen = ScopedListen(bus, current_grant)
+        self._legacy = LegacySubscriptions(bus, current_grant)
 
         def register(server: MCPServer, _: object) -> None:
             register_tools(server, deps)
             register_resources(server, deps)
+            assert self._listen is not None and self._legacy is not None
+            register_subscriptions(server, self._listen, self._legacy)
+            self._mcp = server
 
-        app = build_app(settings, self.node.db, tools=register)
+        app = build_app(settings, node.db, tools=register, subscriptions=bus)
+        # Following before serving: a client that subscribes as soon as it can is told of what follows.
+        await self._notifier.start()
+        self._legacy.start()
         self._server = make_server(app, grace=settings.shutdown_grace)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="mcp-uvicorn")
         # uvicorn reports readiness only through this flag; the task ending first is a failed start.
@@ -112,6 +148,12 @@ class McpFront(Actor):
     async def stop_intake(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
+        # Listen streams never end on their own: end them now (each sends its final result) so
+        # uvicorn's graceful shutdown does not wait its whole grace period for them.
+        if self._listen is not None:
+            self._listen.close()
+        if self._mcp is not None:
+            await _end_sessions(self._mcp)
 
     async def drain(self, grace: float) -> None:
         if self._task is not None:
@@ -125,3 +167,7 @@ class McpFront(Actor):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if self._legacy is not None:
+            await self._legacy.close()
+        if self._notifier is not None:
+            await self._notifier.close()

@@ -7,7 +7,7 @@
   counts, links).
 
 Both need the ``toastmachine:read`` scope; a refusal is a resource error with fixed text.
-Subscriptions to their updates come with the notifications slice (not here yet).
+Clients subscribe to their updates (both revisions) through :mod:`actors.mcp.notify`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
 """The web front: aiohttp app factory, its routes, and the actor that serves it.
 
-Ingress (HTTP writes → commands) and the notification hub (events → SSE) live in this front.
+Ingress (HTTP writes → commands) and the SSE stream (fed by :mod:`actors.hub`) live in this front.
 """

@@ -39,9 +39,9 @@ import orjson
 from aiohttp import web
 
 from actors.history import Change, bounded_page, conversation_of, head_sequence
+from actors.hub import Item, NotificationHub, Subscription, sse_frame
 from actors.web.context import NODE
 from actors.web.export import check_lineage, identity_headers, node_identity
-from actors.web.hub import Item, NotificationHub, Subscription, sse_frame
 from infra.db.pool import Target
 from infra.http import request_client
 from infra.logs import get_logger

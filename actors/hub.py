@@ -1,4 +1,5 @@
-"""Notification hub: one per web node, fanning the corpus's change events out to this node's streams.
+"""Notification hub: one per front (web and MCP) in each node, fanning the corpus's change events out
+to that front's subscribers (the web front's SSE streams; the MCP front's resource notifier).
 
 Consumes: a per-node queue (``QueueKind.NODE``: exclusive to this process, bounded, deleted with it)
 bound to every routing key of this node's corpus exchange ``tm.events.<corpus_id>``

@@ -1,0 +1,330 @@
+"""Resource-updated notifications of the MCP front, fed by this node's notification hub.
+
+Consumes: a subscription to this MCP node's own :class:`~actors.hub.NotificationHub` (its own NODE
+queue bound on ``tm.events.<corpus_id>``; the hub orders the events and fills holes from the change
+history, so a change the queue dropped or a reconnect lost still counts), and the stored guide's
+version, read every ``guide_poll`` seconds (one primary-key lookup; the operator's CLI writes the
+guide straight to the database, with no event).
+Does: turns "something committed" into ``toastmachine://corpus`` updated (its head sequence moved)
+and "the guide's version changed" into ``toastmachine://guide`` updated, and coalesces: "updated"
+is a hint, so however many changes commit, each resource is announced at most once per
+``min_interval`` seconds.
+Emits: :class:`~mcp.shared.subscriptions.ResourceUpdated` on the SDK's
+:class:`~mcp.server.subscriptions.SubscriptionBus`, the one fan-out for both protocol revisions:
+
+- 2026-07-28: ``subscriptions/listen`` streams, served by the SDK's
+  :class:`~mcp.server.subscriptions.ListenHandler` (behind a read-scope check), each with a bounded
+  backlog (:data:`LISTEN_BACKLOG`; a stream whose client stopped reading is ended and the client
+  listens again);
+- 2025-11-25: sessions that sent ``resources/subscribe`` (:class:`LegacySubscriptions`), notified on
+  their session's standalone stream. Each session holds at most one pending notification per
+  resource and has at most one send in flight: a slow session coalesces, it never queues.
+
+Notifications are hints, not history: a client recovers what changed with ``get_changes`` from the
+last sequence it applied (the server instructions and the guide say so). Nothing here can lose a
+change, because nothing here carries one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from mcp.server.context import ServerRequestContext
+from mcp.server.mcpserver import MCPServer
+from mcp.server.session import ServerSession
+from mcp.server.subscriptions import ListenHandler, SubscriptionBus
+from mcp.shared.exceptions import MCPError
+from mcp.shared.subscriptions import ResourceUpdated, ServerEvent
+from mcp_types import (
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    EmptyResult,
+    SubscribeRequestParams,
+    SubscriptionsListenRequestParams,
+    SubscriptionsListenResult,
+    UnsubscribeRequestParams,
+)
+
+from actors.guide import current_guide
+from actors.hub import NotificationHub
+from actors.mcp.grant_types import READ_SCOPE, Grant
+from actors.mcp.resources import CORPUS_URI, GUIDE_URI
+from infra.db.pool import UNAVAILABLE_ERRORS, Target
+from infra.logs import get_logger
+
+log = get_logger("toastmachine.actors.mcp.notify")
+
+#: Least seconds between two announcements of one resource.
+DEFAULT_MIN_INTERVAL = 1.0
+#: Seconds between reads of the stored guide's version.
+DEFAULT_GUIDE_POLL = 30.0
+#: Listen streams, and separately subscribed 2025-11-25 sessions, one MCP node serves at once.
+MAX_SUBSCRIBERS = 1024
+#: Events a listen stream may have waiting (at most one per resource per interval arrives).
+LISTEN_BACKLOG = 32
+#: Changes taken from the hub subscription at once (only "was there one" matters).
+_TAKE = 1000
+
+#: The resources a client can subscribe to.
+RESOURCES = frozenset({CORPUS_URI, GUIDE_URI})
+
+_NO_READ = f"Subscribing to resources needs the {READ_SCOPE} scope, which this authorization lacks."
+
+
+class ResourceNotifier:
+    """Announces resource updates on ``bus`` from the hub's changes and the guide's version.
+
+    Args:
+        hub: this node's notification hub (started and closed by the notifier).
+        bus: the MCP server's subscription bus.
+        db: where the guide is read.
+        min_interval: least seconds between two announcements of one resource.
+        guide_poll: seconds between reads of the guide's version.
+    """
+
+    def __init__(self, hub: NotificationHub, bus: SubscriptionBus, db: Target, *,
+                 min_interval: float = DEFAULT_MIN_INTERVAL, guide_poll: float = DEFAULT_GUIDE_POLL) -> None:
+        self.hub = hub
+        self.bus = bus
+        self.db = db
+        self.min_interval = min_interval
+        self.guide_poll = guide_poll
+        #: Resources to announce at the next send (a set: that is the coalescing).
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Start the hub, then follow it and the guide."""
+        await self.hub.start()
+        self._tasks = [asyncio.create_task(self._follow(), name="mcp-notify-follow"),
+                       asyncio.create_task(self._send(), name="mcp-notify-send"),
+                       asyncio.create_task(self._watch_guide(), name="mcp-notify-guide")]
+
+    async def close(self) -> None:
+        """Stop announcing and close the hub (idempotent)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.hub.close()
+
+    def mark(self, uri: str) -> None:
+        """Announce ``uri`` at the next send (again and again until then: once)."""
+        self._dirty.add(uri)
+        self._wake.set()
+
+    async def _follow(self) -> None:
+        while True:
+            async with self.hub.subscribe() as sub:
+                while (items := await sub.take(_TAKE)) is not None:
+                    if any(change is not None for change, _ in items):  # None: a heartbeat
+                        self.mark(CORPUS_URI)
+            # The hub cut us off (a hole it could not read, or a backlog past its bound): changes
+            # may have committed unseen, and "updated" costs a client one read, so say it.
+            log.info("mcp.notify.resubscribed", overflowed=sub.overflowed)
+            self.mark(CORPUS_URI)
+
+    async def _send(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            for uri in sorted(dirty):
+                await self.bus.publish(ResourceUpdated(uri=uri))
+            # The coalescing window: whatever commits meanwhile is one announcement at its end.
+            await asyncio.sleep(self.min_interval)
+
+    async def _watch_guide(self) -> None:
+        version: int | None = None
+        while True:
+            try:
+                current = (await current_guide(self.db)).version
+            except UNAVAILABLE_ERRORS as e:
+                log.warning("mcp.notify.guide_unreadable", error=type(e).__name__)
+            except Exception as e:  # noqa: BLE001 - keep watching: a bad read must not end the notifications
+                log.error("mcp.notify.guide_check_failed", error=type(e).__name__)
+            else:
+                if version is not None and current != version:
+                    self.mark(GUIDE_URI)
+                version = current
+            await asyncio.sleep(self.guide_poll)
+
+
+class _Session:
+    """One subscribed 2025-11-25 session: its resources, what is pending, and its one sender."""
+
+    __slots__ = ("pending", "sender", "session", "uris")
+
+    def __init__(self, session: ServerSession) -> None:
+        self.session = session
+        self.uris: set[str] = set()
+        self.pending: set[str] = set()
+        self.sender: asyncio.Task[None] | None = None
+
+
+class LegacySubscriptions:
+    """``resources/subscribe`` / ``resources/unsubscribe`` for 2025-11-25 sessions, fed by ``bus``.
+
+    A session is known by its ``Mcp-Session-Id``; its notifications go to its standalone stream
+    (the GET stream the client keeps open; without one the transport drops them, which a hint
+    allows). A session that ended (the client's DELETE, the idle timeout) is forgotten at the next
+    event, or when a new session needs its place: sends to an ended session are dropped without an
+    error, so :attr:`alive` (set by :func:`register_subscriptions`) is asked.
+
+    Args:
+        bus: the MCP server's subscription bus (the same one the listen streams read).
+        grant: the caller's grant for the request being handled.
+        limit: subscribed sessions at once; past it, ``resources/subscribe`` is refused.
+    """
+
+    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant], *, limit: int = MAX_SUBSCRIBERS) -> None:
+        self.bus = bus
+        self.grant = grant
+        self.limit = limit
+        self._sessions: dict[str, _Session] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+        #: Whether the session with this id still exists.
+        self.alive: Callable[[str], bool] = lambda _session_id: True
+
+    @property
+    def sessions(self) -> int:
+        """Sessions subscribed to at least one resource."""
+        return len(self._sessions)
+
+    def start(self) -> None:
+        """Listen on the bus."""
+        if self._unsubscribe is None:
+            self._unsubscribe = self.bus.subscribe(self._on_event)
+
+    async def close(self) -> None:
+        """Stop listening and end every send in flight (idempotent)."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        sessions, self._sessions = list(self._sessions.values()), {}
+        senders = [s.sender for s in sessions if s.sender is not None]
+        for sender in senders:
+            sender.cancel()
+        for sender in senders:
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+
+    async def subscribe(self, ctx: ServerRequestContext[Any, Any], params: SubscribeRequestParams) -> EmptyResult:
+        """Handle ``resources/subscribe``."""
+        key = self._check(ctx, str(params.uri))
+        entry = self._sessions.get(key)
+        if entry is None:
+            if len(self._sessions) >= self.limit:
+                self._prune()
+            if len(self._sessions) >= self.limit:
+                raise MCPError(INVALID_REQUEST, "This server has as many subscribed sessions as it serves; retry later.")
+            entry = self._sessions[key] = _Session(ctx.session)
+        entry.session = ctx.session
+        entry.uris.add(str(params.uri))
+        return EmptyResult()
+
+    async def unsubscribe(self, ctx: ServerRequestContext[Any, Any], params: UnsubscribeRequestParams) -> EmptyResult:
+        """Handle ``resources/unsubscribe``."""
+        key = self._check(ctx, str(params.uri))
+        entry = self._sessions.get(key)
+        if entry is not None:
+            entry.uris.discard(str(params.uri))
+            entry.pending.discard(str(params.uri))
+            if not entry.uris:
+                self._forget(key)
+        return EmptyResult()
+
+    def _check(self, ctx: ServerRequestContext[Any, Any], uri: str) -> str:
+        """The session's key, after checking the caller's scope and the resource."""
+        _require_read(self.grant)
+        if uri not in RESOURCES:
+            raise MCPError(INVALID_PARAMS, "Unknown resource: subscribe to toastmachine://corpus or toastmachine://guide.")
+        headers = getattr(ctx.request, "headers", None)
+        key = headers.get("mcp-session-id") if headers is not None else None
+        if not key:
+            raise MCPError(INVALID_REQUEST, "resources/subscribe needs a session (the initialize handshake).")
+        return str(key)
+
+    def _on_event(self, event: ServerEvent) -> None:
+        # The bus calls this synchronously on the event loop: mark, and start a sender where none runs.
+        if not isinstance(event, ResourceUpdated):
+            return
+        self._prune()
+        for key, entry in self._sessions.items():
+            if event.uri in entry.uris:
+                entry.pending.add(event.uri)
+                if entry.sender is None:
+                    entry.sender = asyncio.create_task(self._deliver(key, entry), name="mcp-notify-session")
+
+    async def _deliver(self, key: str, entry: _Session) -> None:
+        try:
+            while entry.pending:
+                uri = min(entry.pending)
+                entry.pending.discard(uri)
+                await entry.session.send_resource_updated(uri)
+        except Exception as e:  # noqa: BLE001 - the session's stream broke: forget it
+            log.info("mcp.notify.session_gone", reason=type(e).__name__)
+            self._forget(key)
+        finally:
+            entry.sender = None
+
+    def _prune(self) -> None:
+        for key in [key for key in self._sessions if not self.alive(key)]:
+            log.info("mcp.notify.session_gone", reason="ended")
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        entry = self._sessions.pop(key, None)
+        if entry is not None and entry.sender is not None and entry.sender is not asyncio.current_task():
+            entry.sender.cancel()
+
+
+class ScopedListen:
+    """The SDK's ``subscriptions/listen`` handler behind the read-scope check, with our bounds."""
+
+    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant]) -> None:
+        self.grant = grant
+        self.inner = ListenHandler(bus, max_subscriptions=MAX_SUBSCRIBERS, max_buffered_events=LISTEN_BACKLOG)
+
+    async def __call__(self, ctx: ServerRequestContext[Any, Any],
+                       params: SubscriptionsListenRequestParams) -> SubscriptionsListenResult:
+        _require_read(self.grant)
+        return await self.inner(ctx, params)
+
+    def close(self) -> None:
+        """End every listen stream gracefully (each sends its final result)."""
+        self.inner.close()
+
+
+def _require_read(grant: Callable[[], Grant]) -> Grant:
+    try:
+        current = grant()
+    except Exception:  # noqa: BLE001 - no grant: the bearer layer normally refused this already
+        raise MCPError(INVALID_REQUEST, "This request carries no valid authorization.") from None
+    if not current.allows(READ_SCOPE):
+        raise MCPError(INVALID_REQUEST, _NO_READ)
+    return current
+
+
+def register_subscriptions(server: MCPServer, listen: ScopedListen, legacy: LegacySubscriptions) -> None:
+    """Serve ``subscriptions/listen`` (2026-07-28) and ``resources/subscribe``/``unsubscribe``
+    (2025-11-25) on ``server``; the capabilities then advertise ``resources.subscribe`` in both."""
+    # MCPServer registers its own listen handler and none for resources/subscribe; the low-level
+    # server's public add_request_handler replaces and adds them (MCPServer exposes no other way).
+    lowlevel = server._lowlevel_server
+
+    def alive(session_id: str) -> bool:
+        # The session manager drops a session the moment it ends; nothing public tells it otherwise
+        # (a send to an ended session is dropped silently).
+        return session_id in server.session_manager._server_instances
+
+    legacy.alive = alive
+    lowlevel.add_request_handler("subscriptions/listen", SubscriptionsListenRequestParams, listen)
+    lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, legacy.subscribe)
+    lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, legacy.unsubscribe)
