@@ -76,6 +76,8 @@ import orjson
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.auth.provider import ProviderTokenVerifier
+from mcp.shared.inbound import MCP_METHOD_HEADER, MCP_NAME_HEADER, MCP_PROTOCOL_VERSION_HEADER
+from mcp_types import CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, PROTOCOL_VERSION_META_KEY
 
 from actors.mcp.oauth import SCOPES, OAuthStore
 from bench.write import (
@@ -242,17 +244,17 @@ class JsonRpcClients:
                     timeout=60, headers={"Authorization": f"Bearer {token}",
                                          "Accept": "application/json, text/event-stream",
                                          "Content-Type": "application/json",
-                                         "MCP-Protocol-Version": MODERN_VERSION})))
+                                         MCP_PROTOCOL_VERSION_HEADER: MODERN_VERSION})))
             yield
 
     async def _call(self, i: int, n: int, tool: str, arguments: dict[str, Any]) -> str | None:
         body = {"jsonrpc": "2.0", "id": n, "method": "tools/call",
                 "params": {"name": tool, "arguments": arguments,
-                           "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN_VERSION,
-                                     "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
-                                     "io.modelcontextprotocol/clientCapabilities": {}}}}
+                           "_meta": {PROTOCOL_VERSION_META_KEY: MODERN_VERSION,
+                                     CLIENT_INFO_META_KEY: {"name": "bench/mcp.py", "version": "1"},
+                                     CLIENT_CAPABILITIES_META_KEY: {}}}}
         r = await self.clients[i].post(self.url, content=orjson.dumps(body),
-                                       headers={"Mcp-Method": "tools/call", "Mcp-Name": tool})
+                                       headers={MCP_METHOD_HEADER: "tools/call", MCP_NAME_HEADER: tool})
         if r.status_code != 200:
             return str(r.status_code)
         data = r.content
@@ -281,12 +283,14 @@ async def authorize_agents(mcp_base: str, agents: list[Agent]) -> list[str]:
     async with httpx.AsyncClient(timeout=30) as http:
         client_id = (await oauth_flow.register(http, mcp_base, client_name="bench/mcp.py"))["client_id"]
 
-        async def one(agent: Agent) -> str:
-            _, answer = await oauth_flow.tokens(http, mcp_base, " ".join(SCOPES), client_id=client_id,
+    async def one(agent: Agent) -> str:
+        # A browser each: the consent page's CSRF cookie is per browser.
+        async with httpx.AsyncClient(timeout=30) as browser:
+            _, answer = await oauth_flow.tokens(browser, mcp_base, " ".join(SCOPES), client_id=client_id,
                                                 credential=agent.credential)
-            return str(answer["access_token"])
+        return str(answer["access_token"])
 
-        return list(await asyncio.gather(*(one(a) for a in agents)))
+    return list(await asyncio.gather(*(one(a) for a in agents)))
 
 
 # --- token verification -------------------------------------------------------------------------
