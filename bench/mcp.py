@@ -365,7 +365,7 @@ class Report:
 
     def met(self) -> bool:
         assert self.verification is not None
-        return (all(self.ratio(w) >= TARGET_RATIO for w in WORKLOADS)
+        return (all(self.ratio(w) >= TARGET_RATIO for w in self.args.workloads)
                 and percentile_ms(self.verification.verify, 0.5) <= TARGET_VERIFY_P50_MS)
 
     def print(self) -> None:
@@ -373,17 +373,20 @@ class Report:
         client = f"SDK mcp.Client, mode {args.mode}" if args.client == "sdk" else "httpx2 JSON-RPC, 2026-07-28"
         print(f"{args.concurrency} agents, one call in flight each; {args.seconds:g} s per side per round, "
               f"median of {args.rounds} alternating rounds; MCP clients: {client}")
-        print(f"{'workload':<16}{'side':<6}{'calls/s':>9}{'p50 ms':>9}{'p99 ms':>9}  CPUs busy "
-              f"(of {os.cpu_count()})")
-        for workload in WORKLOADS:
+        print(f"{'workload':<16}{'side':<6}{'calls/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'server CPU ms/call':>20}"
+              f"  CPUs busy (of {os.cpu_count()})")
+        for workload in args.workloads:
             for side in ("http", "mcp"):
                 rounds = self.rounds[workload][side]
                 median = sorted(rounds, key=lambda r: r.rate)[len(rounds) // 2]
                 cpu = ", ".join(f"{p} {median.cpu[p]:.2f}" for p in PROCESSES if p in median.cpu)
                 failures = sum((r.failures for r in rounds), Counter[str]())
                 extra = f"  failed (not counted): {dict(failures)}" if failures else ""
+                # CPU time of the front that served the side (the web or the MCP process) per call.
+                server = median.cpu.get("web" if side == "http" else "mcp", float("nan"))
+                per_call = 1000 * server / median.rate if median.rate else float("nan")
                 print(f"{workload:<16}{side:<6}{median.rate:>9,.0f}{median.ms(0.5):>9.1f}{median.ms(0.99):>9.1f}"
-                      f"  {cpu}{extra}")
+                      f"{per_call:>20.2f}  {cpu}{extra}")
             ratio = self.ratio(workload)
             print(f"{'':<16}ratio MCP/HTTP {ratio:.2f}: target >= {TARGET_RATIO} {_met(ratio >= TARGET_RATIO)}")
         v = self.verification
@@ -464,7 +467,7 @@ async def run(args: argparse.Namespace) -> Report:
                     else JsonRpcClients(mcp_url, tokens, agents, args.size))
                 pids = {name: p.proc.pid for name, p in procs.items()} | {"bench": os.getpid()}
                 async with mcp.connected():
-                    for workload in WORKLOADS:
+                    for workload in args.workloads:
                         sides: dict[str, Call] = {"http": getattr(api, workload), "mcp": getattr(mcp, workload)}
                         for side, call in sides.items():  # warm-up: connections, plans, code paths
                             warm = await closed_loop(args.concurrency, args.warmup, call, {})
@@ -505,6 +508,8 @@ async def main() -> int:
     parser.add_argument("--client", choices=("sdk", "jsonrpc"), default="sdk")
     parser.add_argument("--mode", choices=("auto", "legacy"), default="auto",
                         help="the SDK client's mode: auto negotiates 2026-07-28; legacy the 2025-11-25 handshake")
+    parser.add_argument("--workload", dest="workloads", action="append", choices=WORKLOADS,
+                        help="measure only this workload (repeatable; default both)")
     parser.add_argument("--verifications", type=int, default=5000, help="token verifications to time")
     parser.add_argument("--amqp-url", default=DEFAULT_AMQP_URL)
     parser.add_argument("--database-url", default=DEFAULT_DATABASE_URL,
@@ -514,6 +519,7 @@ async def main() -> int:
     parser.add_argument("--logs", type=Path, help="write the node processes' output to DIR/<process>.log")
     parser.add_argument("--verbose", action="store_true", help="print every round")
     args = parser.parse_args()
+    args.workloads = args.workloads or list(WORKLOADS)
     if args.quick:
         args.concurrency, args.seconds, args.warmup, args.rounds = 4, 1.0, 0.5, 1
         args.prefill, args.verifications = 5, 200
