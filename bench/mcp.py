@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -76,6 +77,7 @@ import orjson
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.auth.provider import ProviderTokenVerifier
+from mcp.shared.exceptions import MCPError
 from mcp.shared.inbound import MCP_METHOD_HEADER, MCP_NAME_HEADER, MCP_PROTOCOL_VERSION_HEADER
 from mcp_types import CLIENT_CAPABILITIES_META_KEY, CLIENT_INFO_META_KEY, PROTOCOL_VERSION_META_KEY
 
@@ -132,7 +134,7 @@ def percentile_ms(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return 1000 * ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 Call = Callable[[int, int], Awaitable[str | None]]  # (worker, call number) -> None if it succeeded, else why not
@@ -150,7 +152,7 @@ async def closed_loop(workers: int, seconds: float, call: Call, pids: dict[str, 
             started = time.perf_counter()
             try:
                 failure = await call(i, next(numbers))
-            except (aiohttp.ClientError, httpx2.HTTPError, OSError, TimeoutError) as e:
+            except (aiohttp.ClientError, httpx2.HTTPError, MCPError, OSError, TimeoutError) as e:
                 failure = type(e).__name__
             if failure is None:
                 latencies.append(time.perf_counter() - started)
