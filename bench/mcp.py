@@ -24,8 +24,10 @@ MCP clients (``--client``): ``sdk`` (default), the official SDK's ``mcp.Client``
 HTTP transport, one per agent, each with its own HTTP connection and its bearer token; in mode
 ``--mode`` (``auto``, the default, negotiates 2026-07-28, stateless; ``legacy`` is the 2025-11-25
 initialize handshake and session). ``jsonrpc``: one ``httpx2`` client per agent posting the same
-2026-07-28 JSON-RPC ``tools/call`` requests the SDK client sends, without the SDK (for when the SDK
-client itself is the bottleneck of this process). The HTTP API's clients are one aiohttp session.
+2026-07-28 JSON-RPC ``tools/call`` requests the SDK client sends, without the SDK. The SDK client
+re-validates every structured result against the tool's output schema with ``jsonschema`` (about half
+of its CPU for a 50-message ``get_messages``), so on a small machine ``sdk`` measures this process more
+than the server; ``jsonrpc`` measures the server. The HTTP API's clients are one aiohttp session.
 
 Then token verification in isolation: the MCP front's verifier (``ProviderTokenVerifier`` over
 :class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request) is called in
@@ -74,7 +76,7 @@ import aiohttp
 import httpx
 import httpx2
 import orjson
-from mcp import Client
+from mcp.client.client import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.auth.provider import ProviderTokenVerifier
 from mcp.shared.exceptions import MCPError
