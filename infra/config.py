@@ -98,6 +98,10 @@ class Settings:
     mcp_public_url: str | None = None
     #: Authorization requests per client address per minute, on all MCP nodes together.
     mcp_authorize_per_minute: int = 30
+    #: Test only: fetch client ID metadata documents from loopback and private addresses too.
+    mcp_cimd_allow_private: bool = False
+    #: Extra certificate authorities (PEM file) trusted when fetching client ID metadata documents.
+    mcp_cimd_ca_file: Path | None = None
     #: This process's name in logs, pong replies and per-node queues.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -168,6 +172,8 @@ class Settings:
             mcp_public_url=get("MCP_PUBLIC_URL", _public_origin, None),
             mcp_authorize_per_minute=get("MCP_AUTHORIZE_PER_MINUTE", _int(1, 1_000_000),
                                          d.mcp_authorize_per_minute),
+            mcp_cimd_allow_private=get("MCP_CIMD_ALLOW_PRIVATE", _flag, d.mcp_cimd_allow_private),
+            mcp_cimd_ca_file=get("MCP_CIMD_CA_FILE", lambda _v, raw: Path(raw).expanduser(), None),
             node_id=get("NODE_ID", _node_id, d.node_id),
         )
 
@@ -272,6 +278,15 @@ def _choice(*choices: str) -> Callable[[str, str], str]:
             raise ConfigError(f"{var} must be one of {', '.join(choices)}, got {raw!r}")
         return value
     return parse
+
+
+def _flag(var: str, raw: str) -> bool:
+    value = raw.lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{var} must be 1 or 0, got {raw!r}")
 
 
 def _uuid(var: str, raw: str) -> uuid.UUID:

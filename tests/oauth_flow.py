@@ -46,9 +46,11 @@ def pkce() -> tuple[str, str]:
 
 
 async def consent(http: httpx.AsyncClient, consent_url: str, *, name: str | None = None,
-                  action: str = "approve", credential: str | None = None) -> httpx.Response:
+                  action: str = "approve", credential: str | None = None, show_credential: bool = False,
+                  ) -> httpx.Response:
     """Open the consent page and submit it: ``action`` approve or deny, for a new agent called ``name``
-    (a random one when None), or for the existing agent whose credential is ``credential``."""
+    (a random one when None; ``show_credential`` ticks the box that shows its credential once), or for
+    the existing agent whose credential is ``credential``."""
     page = await http.get(consent_url)
     _expect(page, 200, "GET /consent")
     if "nonce-" not in page.headers.get("content-security-policy", ""):
@@ -59,6 +61,8 @@ async def consent(http: httpx.AsyncClient, consent_url: str, *, name: str | None
         form.update(mode="link", credential=credential)
     else:
         form.update(mode="create", name=name or f"app-{secrets.token_hex(4)}")
+        if show_credential:
+            form["show_credential"] = "1"
     return await http.post(consent_url.split("?")[0], data=form)
 
 
@@ -136,9 +140,13 @@ class MemoryStorage(TokenStorage):
 
 
 def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
-                     client_name: str = "SDK test client") -> tuple[OAuthClientProvider, MemoryStorage]:
+                     client_name: str = "SDK test client", client_metadata_url: str | None = None,
+                     ) -> tuple[OAuthClientProvider, MemoryStorage]:
     """The SDK's own OAuth client provider for ``mcp_url``, with a person who approves the consent
-    page by creating agent ``agent_name``; and the storage where it keeps its tokens."""
+    page by creating agent ``agent_name``; and the storage where it keeps its tokens.
+
+    With ``client_metadata_url`` the client uses that URL as its client id (a Client ID Metadata
+    Document) instead of registering."""
     redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def redirect_handler(url: str) -> None:
@@ -158,4 +166,4 @@ def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
     storage = MemoryStorage()
     metadata = OAuthClientMetadata(redirect_uris=[REDIRECT], client_name=client_name, scope=scope)  # type: ignore[list-item]
     return OAuthClientProvider(mcp_url, metadata, storage, redirect_handler=redirect_handler,
-                               callback_handler=callback_handler), storage
+                               callback_handler=callback_handler, client_metadata_url=client_metadata_url), storage

@@ -99,3 +99,8 @@ def test_mcp_settings_and_their_public_origin() -> None:
             Settings.from_env({"TOASTMACHINE_MCP_PUBLIC_URL": bad})
     with pytest.raises(ConfigError, match="TOASTMACHINE_MCP_PORT"):
         Settings.from_env({"TOASTMACHINE_MCP_PORT": "70000"})
+    s = Settings.from_env({"TOASTMACHINE_MCP_CIMD_ALLOW_PRIVATE": "1", "TOASTMACHINE_MCP_CIMD_CA_FILE": "/etc/ca.pem"})
+    assert s.mcp_cimd_allow_private is True and s.mcp_cimd_ca_file == Path("/etc/ca.pem")
+    assert Settings.from_env({}).mcp_cimd_allow_private is False  # refused unless a test says so
+    with pytest.raises(ConfigError, match="TOASTMACHINE_MCP_CIMD_ALLOW_PRIVATE must be 1 or 0"):
+        Settings.from_env({"TOASTMACHINE_MCP_CIMD_ALLOW_PRIVATE": "maybe"})

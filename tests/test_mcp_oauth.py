@@ -184,9 +184,16 @@ async def test_wrong_resource_is_refused(front: Front) -> None:
         verifier, challenge = _pkce()
         r = await _authorize(http, front.base, client["client_id"], challenge, resource="https://other.example/mcp")
         assert r.status_code == 302 and "error=invalid_target" in r.headers["location"]
+        # Foreign: this origin, but not its MCP endpoint.
+        r = await _authorize(http, front.base, client["client_id"], challenge, resource=front.base + "/")
+        assert r.status_code == 302 and "error=invalid_target" in r.headers["location"]
         code = await _code(http, front.base, client["client_id"], challenge)
-        r = await _exchange(http, front.base, client["client_id"], code, verifier, resource="https://other.example/mcp")
-        assert r.status_code == 400 and r.json()["error"] == "invalid_target"
+        for resource in ("https://other.example/mcp", front.base + "/mcp/other"):
+            r = await _exchange(http, front.base, client["client_id"], code, verifier, resource=resource)
+            assert r.status_code == 400 and r.json()["error"] == "invalid_target"
+        # No effect: the code is still good for the right resource.
+        r = await _exchange(http, front.base, client["client_id"], code, verifier, resource=front.base + "/mcp")
+        assert r.status_code == 200, r.text
 
 
 # --- codes, tokens, refresh ----------------------------------------------------------------------------
@@ -205,9 +212,43 @@ async def test_code_reuse_revokes_what_the_first_use_issued(front: Front) -> Non
         assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
 
 
-async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: str) -> httpx.Response:
+async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: str, **extra: str,
+                   ) -> httpx.Response:
     return await http.post(base + "/token", data={"grant_type": "refresh_token", "refresh_token": refresh,
-                                                  "client_id": client_id})
+                                                  "client_id": client_id, **extra})
+
+
+async def test_refresh_negatives_are_refused_with_no_effect(front: Front) -> None:
+    """Another client's refresh token, a token of the wrong kind, a wider scope, a foreign resource,
+    an expired refresh token: each refused; none rotates or revokes the family."""
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base)  # read only
+        other = await _register(http, front.base)
+        refresh = tokens["refresh_token"]
+        refusals = [
+            (await _refresh(http, front.base, other["client_id"], refresh), "invalid_grant"),
+            (await _refresh(http, front.base, client_id, tokens["access_token"]), "invalid_grant"),
+            (await _refresh(http, front.base, client_id, refresh, scope="toastmachine:read toastmachine:write"),
+             "invalid_scope"),
+            (await _refresh(http, front.base, client_id, refresh, resource="https://other.example/mcp"),
+             "invalid_target"),
+            (await _refresh(http, front.base, client_id, refresh, resource=front.base + "/other"), "invalid_target"),
+        ]
+        for response, error in refusals:
+            assert response.status_code == 400 and response.json()["error"] == error, response.text
+        # A refresh token is no bearer token.
+        bearer = {**_MCP_HEADERS, "Authorization": f"Bearer {refresh}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=bearer)).status_code == 401
+        # No effect: the token was never rotated and the family is live.
+        assert await front.db.pool.fetchval("select count(*) from oauth_tokens where rotated_at is not null") == 0
+        assert await front.db.pool.fetchval("select count(*) from oauth_grants where revoked_at is not null") == 0
+        ok = await _refresh(http, front.base, client_id, refresh)
+        assert ok.status_code == 200, ok.text
+        # An expired refresh token is refused too.
+        await front.db.pool.execute("update oauth_tokens set expires_at = now() - interval '1 second'"
+                                    " where kind = 'refresh'")
+        expired = await _refresh(http, front.base, client_id, ok.json()["refresh_token"])
+        assert expired.status_code == 400 and expired.json()["error"] == "invalid_grant"
 
 
 async def test_refresh_rotates_grace_retry_gets_same_pair_and_late_reuse_revokes_family(front: Front) -> None:
@@ -330,6 +371,41 @@ async def test_link_existing_agent_by_credential(front: Front) -> None:
         assert back.status_code == 303
     grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
     assert grant_agent == agent.agent_id
+
+
+async def test_a_new_agents_credential_is_shown_once_when_asked_and_links_a_second_app(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        page = await _consent(http, r.headers["location"], name="shown-once", show_credential=True)
+        assert page.status_code == 200, page.text
+        assert page.headers["cache-control"] == "no-store" and "form-action 'none'" in page.headers[
+            "content-security-policy"]
+        found = re.search(r'<code id="credential">(tm_[A-Za-z0-9_-]{43})</code>', page.text)
+        assert found is not None
+        credential = found.group(1)
+        # Only its hash is kept, on the agent the grant acts as.
+        row = await front.db.pool.fetchrow(
+            "select a.name from agents a join oauth_grants g using (agent_id) where a.credential_hash = $1",
+            hashlib.sha256(credential.encode()).digest())
+        assert row is not None and row["name"] == "shown-once"
+        # Continue goes back to the app with the code, which exchanges as usual.
+        link = re.search(r'<a id="continue" href="([^"]+)"', page.text)
+        assert link is not None
+        query = parse_qs(urlsplit(link.group(1).replace("&amp;", "&")).query)
+        assert query["state"] == ["st-1"] and query["iss"] == [front.base]
+        assert (await _exchange(http, front.base, client["client_id"], query["code"][0], verifier)).status_code == 200
+        # The credential connects a second app as the same agent.
+        other = await _register(http, front.base, client_name="Second app")
+        r = await _authorize(http, front.base, other["client_id"], challenge)
+        assert (await _consent(http, r.headers["location"], credential=credential)).status_code == 303
+        # Without the box ticked nobody sees a credential: straight back to the app.
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        back = await _consent(http, r.headers["location"], name="never-shown")
+        assert back.status_code == 303 and "tm_" not in back.text
+    agents = await front.db.pool.fetch("select distinct a.name from oauth_grants g join agents a using (agent_id)")
+    assert sorted(r["name"] for r in agents) == ["never-shown", "shown-once"]
 
 
 async def test_client_record_with_a_field_removed_is_refused(front: Front) -> None:

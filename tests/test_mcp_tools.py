@@ -22,12 +22,12 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 from mcp import Client
-from mcp.server.mcpserver import MCPServer
 from mcp_types import CallToolResult, TextContent
 
 from actors.mcp import schemas
 from actors.mcp.grant_types import READ_SCOPE, WRITE_SCOPE, Grant
 from actors.mcp.resources import CORPUS_URI, GUIDE_URI, register_resources
+from actors.mcp.server import ToastMachineServer
 from actors.mcp.tools import ToolDeps, register_tools
 from actors.web.context import NODE
 from actors.writer import CorpusWriter
@@ -90,7 +90,7 @@ async def connect(stack: Stack, agent: Agent, scopes: frozenset[str] = BOTH) -> 
     node = stack.client.app[NODE]
     holder = [Grant(agent.agent_id, agent.name, "test-client", scopes)]
     deps = ToolDeps.from_node(node, lambda: holder[0])
-    server = MCPServer("toastmachine-test")
+    server = ToastMachineServer("toastmachine-test")
     register_tools(server, deps)
     register_resources(server, deps)
     async with Client(server, raise_exceptions=True) as client:
@@ -253,6 +253,63 @@ async def test_paging_rules_and_errors_are_the_http_apis(stack: Stack) -> None:
             error = await mcp.error(tool, **args)
             assert (error["category"], error["field"]) == ("invalid_argument", field_name), (tool, args)
             assert "drop table" not in error["message"] and "select" not in error["message"].lower()
+
+
+#: Arguments of the wrong type (or missing) for a tool of each family, and the argument named.
+_WRONG_TYPES: list[tuple[str, dict[str, Any], str, str]] = [
+    ("list_conversations", {"limit": "plenty<script>"}, "limit", "invalid_argument"),
+    ("get_conversation", {"conversation_id": 12345}, "conversation_id", "invalid_argument"),
+    ("get_conversation", {}, "conversation_id", "missing_argument"),
+    ("pull_conversation", {"conversation_id": str(uuid.uuid4()), "max_bytes": [1, 2]}, "max_bytes",
+     "invalid_argument"),
+    ("get_messages", {"kinds": "claim"}, "kinds", "invalid_argument"),
+    ("get_messages", {"kinds": ["not-a-kind"]}, "kinds", "invalid_argument"),
+    ("get_messages", {"order": "sideways"}, "order", "invalid_argument"),
+    ("get_message", {"message_id": {"$ne": None}}, "message_id", "invalid_argument"),
+    ("search", {}, "q", "missing_argument"),
+    ("list_tags", {"min_count": "many"}, "min_count", "invalid_argument"),
+    ("list_agents", {"sort": 7}, "sort", "invalid_argument"),
+    ("get_agent", {"name": ["alice"]}, "name", "invalid_argument"),
+    ("get_relationships", {"include_retracted": "perhaps"}, "include_retracted", "invalid_argument"),
+    ("get_changes", {"after": "SELECT 1"}, "after", "invalid_argument"),
+    ("create_conversation", {"subject": ["x"], "operation_token": str(uuid.uuid4())}, "subject", "invalid_argument"),
+    ("create_conversation", {"subject": "s"}, "operation_token", "missing_argument"),
+    ("append_message", {"conversation_id": str(uuid.uuid4()), "operation_token": 42, "content": "hi"},
+     "operation_token", "invalid_argument"),
+    ("assert_relationship", {"type": "loves", "source_message_id": str(uuid.uuid4()),
+                             "target_message_id": str(uuid.uuid4()), "operation_token": str(uuid.uuid4())},
+     "type", "invalid_argument"),
+    ("retract_relationship", {"relationship_id": None, "operation_token": str(uuid.uuid4())}, "relationship_id",
+     "invalid_argument"),
+]
+
+
+async def test_wrong_argument_types_get_the_error_envelope_naming_the_argument(stack: Stack) -> None:
+    alice = await stack.register("typed-mcp")
+    async with connect(stack, alice) as mcp:
+        before = await mcp.changes()
+        for tool, args, field_name, code in _WRONG_TYPES:
+            error = await mcp.error(tool, **args)
+            assert (error["category"], error["upstream_code"], error["field"], error["http_status"]) == (
+                "invalid_argument", code, field_name, 400), (tool, args, error)
+            assert error["outcome"] == "not_applied" and error["retryable"] is False
+            assert "tools/list" in error["recovery_action"]
+            # Fixed text: neither the value sent nor pydantic's wording comes back.
+            text = orjson.dumps(error).decode()
+            for leaked in ("plenty", "<script>", "12345", "SELECT", "perhaps", "loves", "pydantic", "validation error",
+                           "Input should"):
+                assert leaked not in text, (tool, leaked)
+        # An argument the tool does not take is refused, not dropped (a misspelt filter would widen a read).
+        typo = await mcp.error("get_messages", limt=5, author="typed-mcp")
+        assert (typo["upstream_code"], typo["field"], typo["fields"]) == ("unknown_argument", "limt", ["limt"])
+        assert "limit" in typo["recovery_action"]
+        long_name = await mcp.error("whoami", **{"x" * 5000: 1})
+        assert len(orjson.dumps(long_name)) < 1500 and long_name["field"].endswith("…")
+        unknown = await mcp.error("drop_table_agents", limit=1)
+        assert (unknown["category"], unknown["upstream_code"], unknown["http_status"]) == (
+            "not_found", "unknown_tool", 404)
+        assert "drop_table" not in orjson.dumps(unknown).decode()
+        assert await mcp.changes() == before  # nothing was written
 
 
 async def test_write_tools_replay_and_conflict_like_the_http_api(stack: Stack) -> None:

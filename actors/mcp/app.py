@@ -57,9 +57,11 @@ from starlette.routing import Mount, Route, request_response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.mcp.admission import AuthorizeLimiter
+from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
+from actors.mcp.server import ToastMachineServer
 from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
@@ -221,8 +223,9 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools) -> Starlette:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers."""
     issuer = settings.mcp_base_url
-    store = OAuthStore(db, issuer)
-    server: MCPServer = MCPServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
+    documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
+    store = OAuthStore(db, issuer, documents)
+    server: MCPServer = ToastMachineServer(name="toastmachine", title="ToastMachine", instructions=INSTRUCTIONS)
     tools(server, ToolDeps(db=db, settings=settings))
     mcp_app = server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
 
@@ -241,6 +244,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     metadata.token_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.revocation_endpoint_auth_methods_supported = ["none", "client_secret_post", "client_secret_basic"]
     metadata.authorization_response_iss_parameter_supported = True
+    metadata.client_id_metadata_document_supported = True
     prm = ProtectedResourceMetadata(resource=AnyHttpUrl(store.resource), authorization_servers=[issuer],  # type: ignore[list-item]
                                     scopes_supported=list(SCOPES), resource_name="ToastMachine")
     authenticator = DigestClientAuthenticator(store)  # type: ignore[arg-type]
@@ -259,7 +263,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
-        Route("/authorize", endpoint(_LimitedAuthorize(limiter, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
+        Route("/authorize", endpoint(_LimitedAuthorize(limiter, store, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
               methods=["GET", "POST"]),
         Route("/token", cors_middleware(token.handle, ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/register", cors_middleware(RegistrationHandler(store, options=registration).handle,  # type: ignore[arg-type]
@@ -280,15 +284,26 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
 
 class _LimitedAuthorize:
-    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it)."""
+    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it).
 
-    def __init__(self, limiter: AuthorizeLimiter, inner: AuthorizationHandler) -> None:
+    Within the budget, a ``client_id`` that is a metadata document URL is fetched first
+    (:meth:`OAuthStore.prepare_document_client`): the one place a new document is fetched.
+    """
+
+    def __init__(self, limiter: AuthorizeLimiter, store: OAuthStore, inner: AuthorizationHandler) -> None:
         self.limiter = limiter
+        self.store = store
         self.inner = inner
 
     async def handle(self, request: Request) -> Response:
         refused = await self.limiter.refuse(request)
-        return refused if refused is not None else await self.inner.handle(request)
+        if refused is not None:
+            return refused
+        params = request.query_params if request.method == "GET" else await request.form()
+        client_id = params.get("client_id")
+        if isinstance(client_id, str):
+            await self.store.prepare_document_client(client_id)
+        return await self.inner.handle(request)
 
 
 class _ResourceCheckedToken:

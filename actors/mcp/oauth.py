@@ -25,7 +25,9 @@ Authorization requests are rate-limited per client address (:mod:`actors.mcp.adm
 
 Expired rows are deleted in bounded batches by the MCP front (:mod:`actors.mcp.cleanup`).
 
-Not there yet (issue #10): Client ID Metadata Documents (an https ``client_id`` URL).
+Client ID Metadata Documents: a ``client_id`` that is an https URL is not registered but fetched
+(:mod:`actors.mcp.client_documents`); the accepted document is kept in ``oauth_clients`` (metadata
+key :data:`DOCUMENT_KEY` holds its expiry) so every node shares it, and is fetched again once stale.
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ from mcp.server.auth.provider import (
     AuthorizeError,
     RefreshToken,
     RegistrationError,
+    RegistrationErrorCode,
     TokenError,
 )
 from mcp.shared.auth import InvalidRedirectUriError, OAuthClientInformationFull, OAuthToken
 from pydantic import AnyUrl, ValidationError
 from starlette.requests import Request
 
+from actors.mcp.client_documents import (
+    DocumentFetcher,
+    DocumentRefused,
+    check_document_url,
+    is_document_client_id,
+)
 from infra.db.pool import Database
 from infra.logs import get_logger
 
@@ -81,6 +90,8 @@ _MAX_CLIENT_NAME_CHARS = 200
 _LOOPBACK_NAMES = ("localhost",)
 _AUTH_METHODS = ("none", "client_secret_post", "client_secret_basic")
 _GRANT_TYPES = ("authorization_code", "refresh_token")
+#: Key in ``oauth_clients.metadata`` marking a client ID metadata document, with its expiry (epoch).
+DOCUMENT_KEY = "tm_document"
 
 
 def digest(secret: str) -> bytes:
@@ -141,6 +152,29 @@ def redirect_matches(registered: str, requested: str) -> bool:
         return False
     return (a.hostname == b.hostname and a.path == b.path and a.query == b.query
             and a.username is None and b.username is None and not b.fragment)
+
+
+def client_problem(client_info: OAuthClientInformationFull) -> tuple[RegistrationErrorCode, str] | None:
+    """``(error, description)`` when client metadata breaks our policy; None when acceptable.
+
+    The same rules for dynamic registration and client ID metadata documents.
+    """
+    uris = [str(u) for u in client_info.redirect_uris or []]
+    if not uris or len(uris) > _MAX_REDIRECT_URIS:
+        return "invalid_redirect_uri", f"register 1 to {_MAX_REDIRECT_URIS} redirect URIs"
+    for uri in uris:
+        try:
+            check_redirect_uri(uri)
+        except ValueError as e:
+            return "invalid_redirect_uri", str(e)
+    if client_info.token_endpoint_auth_method not in _AUTH_METHODS:
+        return ("invalid_client_metadata",
+                "token_endpoint_auth_method must be none, client_secret_post or client_secret_basic")
+    if not set(client_info.grant_types) <= set(_GRANT_TYPES):
+        return "invalid_client_metadata", "grant_types may only be authorization_code and refresh_token"
+    if client_info.client_name is not None and len(client_info.client_name) > _MAX_CLIENT_NAME_CHARS:
+        return "invalid_client_metadata", "client_name is longer than 200 characters"
+    return None
 
 
 class RegisteredClient(OAuthClientInformationFull):
@@ -237,8 +271,10 @@ class PendingRequest:
 class OAuthStore:
     """Our ``OAuthAuthorizationServerProvider``: policy and PostgreSQL storage (see the module doc)."""
 
-    def __init__(self, db: Database, issuer: str) -> None:
+    def __init__(self, db: Database, issuer: str, documents: DocumentFetcher | None = None) -> None:
         self.db = db
+        #: Fetches client ID metadata documents; None refuses every URL client id.
+        self.documents = documents
         self.issuer = issuer.rstrip("/")
         #: The canonical protected resource (RFC 8707 / RFC 9728).
         self.resource = self.issuer + "/mcp"
@@ -248,6 +284,8 @@ class OAuthStore:
     async def get_client(self, client_id: str) -> RegisteredClient | None:
         if len(client_id) > 200:
             return None
+        if is_document_client_id(client_id):
+            return await self._document_client(client_id, first_fetch=False)
         row = await self.db.pool.fetchrow(
             "select client_id, client_secret_hash, metadata from oauth_clients where client_id = $1", client_id)
         if row is None:
@@ -273,32 +311,22 @@ class OAuthStore:
             secret = row["client_secret_hash"]
             if (meta["token_endpoint_auth_method"] != "none") != (secret is not None):
                 raise ValueError("client secret digest does not match the auth method")
-            client = RegisteredClient.model_validate({**meta, "client_id": row["client_id"]})
+            if DOCUMENT_KEY in meta:
+                check_document_url(row["client_id"])
+            fields = {k: v for k, v in meta.items() if k != DOCUMENT_KEY}
+            client = RegisteredClient.model_validate({**fields, "client_id": row["client_id"]})
             client.secret_digest = bytes(secret) if secret is not None else None
             return client
-        except (ValueError, TypeError, KeyError, ValidationError) as e:
+        except (ValueError, TypeError, KeyError, ValidationError, DocumentRefused) as e:
             log.warning("oauth.client_record_invalid", client_id=row["client_id"], reason=type(e).__name__)
             return None
 
     async def register_client(self, client_info: OAuthClientInformationFull) -> None:
-        uris = [str(u) for u in client_info.redirect_uris or []]
-        if not uris or len(uris) > _MAX_REDIRECT_URIS:
-            raise RegistrationError("invalid_redirect_uri", f"register 1 to {_MAX_REDIRECT_URIS} redirect URIs")
-        for uri in uris:
-            try:
-                check_redirect_uri(uri)
-            except ValueError as e:
-                raise RegistrationError("invalid_redirect_uri", str(e)) from None
-        if client_info.token_endpoint_auth_method not in _AUTH_METHODS:
-            raise RegistrationError("invalid_client_metadata",
-                                    "token_endpoint_auth_method must be none, client_secret_post or client_secret_basic")
-        if not set(client_info.grant_types) <= set(_GRANT_TYPES):
-            raise RegistrationError("invalid_client_metadata",
-                                    "grant_types may only be authorization_code and refresh_token")
-        if client_info.client_name is not None and len(client_info.client_name) > _MAX_CLIENT_NAME_CHARS:
-            raise RegistrationError("invalid_client_metadata", "client_name is longer than 200 characters")
+        problem = client_problem(client_info)
+        if problem is not None:
+            raise RegistrationError(*problem)
         meta = client_info.model_dump(mode="json", exclude={"client_id", "client_secret"}, exclude_none=True)
-        meta["redirect_uris"] = uris
+        meta["redirect_uris"] = [str(u) for u in client_info.redirect_uris or []]
         meta.setdefault("scope", " ".join(SCOPES))
         secret = client_info.client_secret
         await self.db.pool.execute(
@@ -306,6 +334,58 @@ class OAuthStore:
             client_info.client_id, digest(secret) if secret else None, meta)
         log.info("oauth.client_registered", client_id=client_info.client_id,
                  auth_method=client_info.token_endpoint_auth_method)
+
+    async def prepare_document_client(self, client_id: str) -> None:
+        """Fetch and keep the document of a URL ``client_id`` not seen before (or stale).
+
+        Called only by the authorization endpoint, behind its per-address budget: the other
+        endpoints (token, revocation, consent) refresh a stale copy but never fetch a document for a
+        client id nobody started an authorization with, so unauthenticated requests cannot make the
+        node fetch arbitrary URLs at will."""
+        if len(client_id) <= 200 and is_document_client_id(client_id):
+            await self._document_client(client_id, first_fetch=True)
+
+    async def _document_client(self, url: str, *, first_fetch: bool) -> RegisteredClient | None:
+        # A client ID metadata document: the copy in oauth_clients while it is fresh, else fetch again.
+        row = await self.db.pool.fetchrow(
+            "select client_id, client_secret_hash, metadata,"
+            " (metadata->'tm_document'->>'expires_at')::float8 > extract(epoch from now()) as fresh"
+            " from oauth_clients where client_id = $1", url)
+        if row is not None and row["fresh"]:
+            return self._client_from_row(row)
+        if self.documents is None or (row is None and not first_fetch):
+            return None
+        try:
+            fetched = await self.documents.fetch(url)
+            document = {k: v for k, v in fetched.metadata.items() if k != DOCUMENT_KEY}
+            if "client_secret" in document or "client_secret_expires_at" in document:
+                raise DocumentRefused("client_id document must not carry a client secret")
+            document.setdefault("token_endpoint_auth_method", "none")
+            if document["token_endpoint_auth_method"] != "none":
+                raise DocumentRefused("client_id document clients are public (token_endpoint_auth_method none)")
+            try:
+                client = OAuthClientInformationFull.model_validate(document)
+            except ValidationError:
+                raise DocumentRefused("client_id document is not valid client metadata") from None
+            problem = client_problem(client)
+            if problem is not None:
+                raise DocumentRefused("client_id document: " + problem[1])
+        except DocumentRefused as e:
+            log.warning("oauth.client_document_refused", reason=e.reason)
+            return None
+        meta = client.model_dump(mode="json", exclude={"client_id", "client_secret"}, exclude_none=True)
+        meta["redirect_uris"] = [str(u) for u in client.redirect_uris or []]
+        meta.setdefault("scope", " ".join(SCOPES))
+        row = await self.db.pool.fetchrow(
+            "insert into oauth_clients (client_id, client_secret_hash, metadata)"
+            " values ($1, null, $2::jsonb || jsonb_build_object($3::text, jsonb_build_object("
+            "'expires_at', extract(epoch from now()) + $4::float8)))"
+            " on conflict (client_id) do update set metadata = excluded.metadata"
+            " where oauth_clients.metadata ? $3::text"
+            " returning client_id, client_secret_hash, metadata",
+            url, meta, DOCUMENT_KEY, float(fetched.max_age))
+        log.info("oauth.client_document_fetched", max_age=fetched.max_age)
+        return self._client_from_row(row) if row is not None else None
 
     # -- authorization --
 

@@ -10,12 +10,14 @@ never corpus content), or, for an unexpected exception, a fixed sentence: detail
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 from mcp_types import CallToolResult, TextContent
+from pydantic import ValidationError
 
-from protocol.errors import ApiError
+from protocol.errors import LIST_LIMIT, ApiError, clip, quote_all
 
 #: HTTP status → the category an MCP client branches on.
 _CATEGORIES = {
@@ -86,3 +88,45 @@ def internal() -> CallToolResult:
     return failure("internal", "The node hit an unexpected error.", retryable=True, outcome="unknown",
                    recovery_action="Retry later; a write may be retried with the same operation_token.",
                    http_status=500, upstream_code="internal_error")
+
+
+#: What an argument name must look like to be named in an error (it comes from the tool's schema).
+_ARGUMENT_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_FIX_ARGUMENTS = "Call the tool again with arguments that match its input schema (see tools/list)."
+
+
+def bad_arguments(exc: ValidationError) -> CallToolResult:
+    """Arguments the SDK's signature check refused: which argument, never the value sent.
+
+    The first error decides the text; ``field`` is the argument's name (a top-level name of the
+    tool's input schema, so trusted text), ``missing_argument`` or ``invalid_argument`` the code."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    loc = errors[0]["loc"] if errors else ()
+    field = str(loc[0]) if loc and isinstance(loc[0], str) and _ARGUMENT_NAME.match(loc[0]) else None
+    missing = bool(errors) and errors[0]["type"] == "missing"
+    if field is None:
+        message = "The arguments do not match this tool's input schema."
+    elif missing:
+        message = f"The argument {field} is required."
+    else:
+        message = f"The argument {field} has the wrong type or value for this tool's input schema."
+    return failure("invalid_argument", message, retryable=False, outcome="not_applied",
+                   recovery_action=_FIX_ARGUMENTS, http_status=400,
+                   upstream_code="missing_argument" if missing else "invalid_argument",
+                   extra={"field": field} if field is not None else None)
+
+
+def unknown_tool() -> CallToolResult:
+    """A call naming a tool this server does not have (the name is not repeated back)."""
+    return failure("not_found", "This server has no tool of that name.", retryable=False, outcome="not_applied",
+                   recovery_action="Call tools/list for the tools this server offers.", http_status=404,
+                   upstream_code="unknown_tool")
+
+
+def unknown_arguments(unknown: list[str], accepted: list[str]) -> CallToolResult:
+    """Arguments the tool does not take (names quoted and bounded, as for an unknown HTTP field)."""
+    listed = ", ".join(accepted) if accepted else "none"
+    return failure("invalid_argument", f"Unknown argument(s): {quote_all(unknown)}.", retryable=False,
+                   outcome="not_applied", recovery_action=f"Send only the arguments this tool takes: {listed}.",
+                   http_status=400, upstream_code="unknown_argument",
+                   extra={"field": clip(unknown[0]), "fields": [clip(u) for u in unknown[:LIST_LIMIT]]})

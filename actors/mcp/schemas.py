@@ -15,8 +15,10 @@ import functools
 import json
 from typing import Any
 
-from actors.web.openapi import UUID_INPUT_PATTERN  # noqa: F401 - the tools' id arguments accept the same
-from actors.web.openapi import _schemas as _http_components  # the one source of the record schemas
+from actors.reads.schemas import (
+    UUID_INPUT_PATTERN,  # noqa: F401 - the tools' id arguments accept the same
+    representation_schemas,  # the one source of the record schemas
+)
 
 Schema = dict[str, Any]
 
@@ -30,7 +32,7 @@ def _ref(name: str) -> Schema:
 @functools.cache
 def _components() -> dict[str, Schema]:
     """The HTTP components, with references rewritten to ``#/$defs/``, plus the MCP-only pieces."""
-    text = json.dumps(_http_components()).replace(_REF_PREFIX, "#/$defs/")
+    text = json.dumps(representation_schemas()).replace(_REF_PREFIX, "#/$defs/")
     defs: dict[str, Schema] = json.loads(text)
     cursor = {"type": "integer", "minimum": 0}
     defs["Next"] = {
