@@ -8,7 +8,6 @@ calls ``whoami``; the negative cases talk to the endpoints directly. Runs on bot
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import re
@@ -21,22 +20,21 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import httpx2
 import pytest
-from mcp.client.auth import OAuthClientProvider, TokenStorage
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.shared.auth import (
-    AuthorizationCodeResult,
-    OAuthClientInformationFull,
-    OAuthClientMetadata,
-    OAuthToken,
-)
 
 from actors.mcp.app import build_app
 from actors.mcp.front import make_server
 from infra.config import Settings
 from infra.db.pool import Database
-
-REDIRECT = "http://127.0.0.1:53682/callback"
+from tests.oauth_flow import REDIRECT, sdk_oauth_client
+from tests.oauth_flow import authorize as _authorize
+from tests.oauth_flow import code as _code
+from tests.oauth_flow import consent as _consent
+from tests.oauth_flow import exchange as _exchange
+from tests.oauth_flow import pkce as _pkce
+from tests.oauth_flow import register as _register
+from tests.oauth_flow import tokens as _tokens
 
 
 def _free_port() -> int:
@@ -74,69 +72,6 @@ async def front(db: Database) -> AsyncIterator[Front]:
         yield f
 
 
-def _pkce() -> tuple[str, str]:
-    verifier = secrets.token_urlsafe(48)
-    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).decode().rstrip("=")
-    return verifier, challenge
-
-
-async def _consent(http: httpx.AsyncClient, consent_url: str, *, name: str | None = None,
-                   action: str = "approve", credential: str | None = None, show_credential: bool = False,
-                   ) -> httpx.Response:
-    page = await http.get(consent_url)
-    assert page.status_code == 200, page.text
-    assert "nonce-" in page.headers["content-security-policy"]
-    fields = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page.text))
-    form = {**fields, "action": action}
-    if credential is not None:
-        form.update(mode="link", credential=credential)
-    else:
-        form.update(mode="create", name=name or f"app-{secrets.token_hex(4)}")
-        if show_credential:
-            form["show_credential"] = "1"
-    return await http.post(consent_url.split("?")[0], data=form)
-
-
-async def _register(http: httpx.AsyncClient, base: str, **extra: object) -> dict:
-    body = {"redirect_uris": [REDIRECT], "client_name": "Test app", "token_endpoint_auth_method": "none", **extra}
-    r = await http.post(base + "/register", json=body)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-async def _authorize(http: httpx.AsyncClient, base: str, client_id: str, challenge: str, **extra: str,
-                     ) -> httpx.Response:
-    params = {"response_type": "code", "client_id": client_id, "redirect_uri": REDIRECT,
-              "code_challenge": challenge, "code_challenge_method": "S256", "state": "st-1", **extra}
-    return await http.get(base + "/authorize", params=params)
-
-
-async def _code(http: httpx.AsyncClient, base: str, client_id: str, challenge: str, **extra: str) -> str:
-    r = await _authorize(http, base, client_id, challenge, **extra)
-    assert r.status_code == 302, r.text
-    back = await _consent(http, r.headers["location"])
-    assert back.status_code == 303, back.text
-    query = parse_qs(urlsplit(back.headers["location"]).query)
-    assert query["state"] == ["st-1"] and query["iss"] == [base]
-    return query["code"][0]
-
-
-async def _exchange(http: httpx.AsyncClient, base: str, client_id: str, code: str, verifier: str,
-                    **extra: str) -> httpx.Response:
-    return await http.post(base + "/token", data={"grant_type": "authorization_code", "code": code,
-                                                  "redirect_uri": REDIRECT, "client_id": client_id,
-                                                  "code_verifier": verifier, **extra})
-
-
-async def _tokens(http: httpx.AsyncClient, base: str, scope: str | None = None) -> tuple[str, dict]:
-    client = await _register(http, base)
-    verifier, challenge = _pkce()
-    code = await _code(http, base, client["client_id"], challenge, **({"scope": scope} if scope else {}))
-    r = await _exchange(http, base, client["client_id"], code, verifier)
-    assert r.status_code == 200, r.text
-    return client["client_id"], r.json()
-
-
 _INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
          "params": {"protocolVersion": "2025-11-25", "capabilities": {},
                     "clientInfo": {"name": "t", "version": "1"}}}
@@ -144,54 +79,6 @@ _MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type":
 
 
 # --- the whole chain with the SDK's own client ---------------------------------------------------
-
-class MemoryStorage(TokenStorage):
-    def __init__(self) -> None:
-        self.tokens: OAuthToken | None = None
-        self.client: OAuthClientInformationFull | None = None
-
-    async def get_tokens(self) -> OAuthToken | None:
-        return self.tokens
-
-    async def set_tokens(self, tokens: OAuthToken) -> None:
-        self.tokens = tokens
-
-    async def get_client_info(self) -> OAuthClientInformationFull | None:
-        return self.client
-
-    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
-        self.client = client_info
-
-
-def sdk_oauth_client(mcp_url: str, *, agent_name: str, scope: str | None = None,
-                     client_name: str = "SDK test client", client_metadata_url: str | None = None,
-                     ) -> tuple[OAuthClientProvider, MemoryStorage]:
-    """The SDK's own OAuth client provider for ``mcp_url``, with a person who approves the consent
-    page by creating agent ``agent_name``; and the storage where it keeps its tokens.
-
-    With ``client_metadata_url`` the client uses that URL as its client id (a Client ID Metadata
-    Document) instead of registering."""
-    redirected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    async def redirect_handler(url: str) -> None:
-        # The person's browser: follow /authorize to the consent page and approve a new agent.
-        async with httpx.AsyncClient() as browser:
-            r = await browser.get(url)
-            assert r.status_code == 302, r.text
-            back = await _consent(browser, r.headers["location"], name=agent_name)
-            assert back.status_code == 303, back.text
-            redirected.set_result(back.headers["location"])
-
-    async def callback_handler() -> AuthorizationCodeResult:
-        query = parse_qs(urlsplit(await redirected).query)
-        return AuthorizationCodeResult(code=query["code"][0], state=query.get("state", [None])[0],
-                                       iss=query.get("iss", [None])[0])
-
-    storage = MemoryStorage()
-    metadata = OAuthClientMetadata(redirect_uris=[REDIRECT], client_name=client_name, scope=scope)  # type: ignore[list-item]
-    return OAuthClientProvider(mcp_url, metadata, storage, redirect_handler=redirect_handler,
-                               callback_handler=callback_handler, client_metadata_url=client_metadata_url), storage
-
 
 async def test_sdk_client_registers_consents_and_calls_whoami(front: Front) -> None:
     auth, storage = sdk_oauth_client(front.base + "/mcp", agent_name="sdk-agent")

@@ -10,7 +10,7 @@ from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from tests import procs
-from tests.test_mcp_oauth import sdk_oauth_client
+from tests.oauth_flow import sdk_oauth_client
 
 #: SPEC §6: the 18 tools.
 TOOL_NAMES = {
