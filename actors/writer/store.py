@@ -2,13 +2,18 @@
 
 One PostgreSQL transaction per batch (group commit), in two phases:
 
-1. Each command in two round trips: one query reads everything its rules need (its idempotency
-   record, the rows it refers to, the agents it mentions), then, if the rules pass, one statement
-   claims its idempotency key and inserts its rows together (``insert … on conflict do nothing`` on
-   the key: a concurrent claim of the same key waits on the row lock and then sees the outcome). A
-   command that breaks a rule fails alone before it has written anything, so no savepoint is
-   needed; a command whose key was already used answers the stored result (or 409 on a different
-   request) and writes nothing.
+1. Set-based: one statement reads what the rules of every command need (its idempotency record,
+   the rows it refers to, the agents it mentions), one row per command; the rules run here in
+   arrival order; then one statement claims the idempotency keys of every conversation and message
+   that passed and inserts their rows, only for the keys it claimed (``insert … on conflict do
+   nothing`` on the key: a concurrent claim of the same key waits on the row lock and then sees the
+   outcome). What cannot be set-based keeps a statement per command: assertions and retractions
+   (each races on a row of its own), a key repeated within the batch (read again after the first
+   one's claim) and a claim lost to a concurrent transaction. No command can refer to a row created
+   by another command of the same batch: the writer makes the ids, and a client learns them only
+   after the commit. A command that breaks a rule fails alone before it has written anything, so no
+   savepoint is needed; a command whose key was already used answers the stored result (or 409 on a
+   different request) and writes nothing.
 2. Sequence assignment, at the very end: take the transaction-scoped advisory lock
    :data:`SEQUENCE_LOCK`, draw one sequence per change, insert the change-history rows (each holding
    the complete event envelope) and fill in the idempotency records, then commit. Because every
@@ -20,7 +25,8 @@ One PostgreSQL transaction per batch (group commit), in two phases:
 Admission (when the store has a write budget): before phase 1, one statement locks the
 ``write_budget`` rows of the batch's agents (in agent order, so two batches never deadlock on them)
 and reads their theoretical arrival times with the database's clock. A command is admitted in
-phase 1 right after its idempotency record was read (a replay is answered, never charged); over
+phase 1 right after its idempotency record was read (a replay is answered, never charged) and
+charged at once when it passes its rules (given back if its claim is lost); over
 budget, it is answered 429 ``rate_limited`` with ``retry_after`` and writes nothing, not even its
 idempotency claim, so the client retries the identical request later with the same token. Phase 2's
 statement advances each agent's budget by the changes the batch commits. The row lock makes every
