@@ -2,13 +2,18 @@
 
 One PostgreSQL transaction per batch (group commit), in two phases:
 
-1. Each command in two round trips: one query reads everything its rules need (its idempotency
-   record, the rows it refers to, the agents it mentions), then, if the rules pass, one statement
-   claims its idempotency key and inserts its rows together (``insert … on conflict do nothing`` on
-   the key: a concurrent claim of the same key waits on the row lock and then sees the outcome). A
-   command that breaks a rule fails alone before it has written anything, so no savepoint is
-   needed; a command whose key was already used answers the stored result (or 409 on a different
-   request) and writes nothing.
+1. Set-based: one statement reads what the rules of every command need (its idempotency record,
+   the rows it refers to, the agents it mentions), one row per command; the rules run here in
+   arrival order; then one statement claims the idempotency keys of every conversation and message
+   that passed and inserts their rows, only for the keys it claimed (``insert … on conflict do
+   nothing`` on the key: a concurrent claim of the same key waits on the row lock and then sees the
+   outcome). What cannot be set-based keeps a statement per command: assertions and retractions
+   (each races on a row of its own), a key repeated within the batch (read again after the first
+   one's claim) and a claim lost to a concurrent transaction. No command can refer to a row created
+   by another command of the same batch: the writer makes the ids, and a client learns them only
+   after the commit. A command that breaks a rule fails alone before it has written anything, so no
+   savepoint is needed; a command whose key was already used answers the stored result (or 409 on a
+   different request) and writes nothing.
 2. Sequence assignment, at the very end: take the transaction-scoped advisory lock
    :data:`SEQUENCE_LOCK`, draw one sequence per change, insert the change-history rows (each holding
    the complete event envelope) and fill in the idempotency records, then commit. Because every
@@ -20,7 +25,8 @@ One PostgreSQL transaction per batch (group commit), in two phases:
 Admission (when the store has a write budget): before phase 1, one statement locks the
 ``write_budget`` rows of the batch's agents (in agent order, so two batches never deadlock on them)
 and reads their theoretical arrival times with the database's clock. A command is admitted in
-phase 1 right after its idempotency record was read (a replay is answered, never charged); over
+phase 1 right after its idempotency record was read (a replay is answered, never charged) and
+charged at once when it passes its rules (given back if its claim is lost); over
 budget, it is answered 429 ``rate_limited`` with ``retry_after`` and writes nothing, not even its
 idempotency claim, so the client retries the identical request later with the same token. Phase 2's
 statement advances each agent's budget by the changes the batch commits. The row lock makes every
@@ -32,10 +38,12 @@ first's commit), where they used to overlap; batches of different agents still o
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+import orjson
 
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import connection
@@ -97,6 +105,25 @@ class _Change:
 
 
 @dataclass(slots=True)
+class _Pending:
+    """A command that passed its rules in phase 1: what to write for it, and the change it makes.
+
+    A conversation or a message is written by the batch's one set-based statement (``conversation``
+    and ``message`` hold its rows); an assertion or a retraction by a statement of its own
+    (``write``, answering (claimed, added); ``race``, the error when a concurrent writer committed the
+    same thing after our read).
+    """
+
+    index: int
+    prepared: Prepared
+    change: _Change
+    conversation: tuple[Any, ...] | None = None
+    message: tuple[Any, ...] | None = None
+    write: Callable[[Any], Awaitable[tuple[bool, bool]]] | None = None
+    race: Callable[[Any], Awaitable[ApiError]] | None = None
+
+
+@dataclass(slots=True)
 class _Budget:
     """One agent's write budget while a batch holds its row: the stored state and what the batch took."""
 
@@ -142,11 +169,17 @@ class CorpusStore:
         async with connection(self.db) as conn, conn.transaction():
             if self.write_budget is not None:
                 await self._lock_budgets(conn, state, batch)
+            fresh: list[int] = []
+            again: list[int] = []
+            keys: set[tuple[str, str, str]] = set()
             for index, prepared in enumerate(batch):
-                try:
-                    await self._stage(conn, state, index, prepared)
-                except ApiError as e:
-                    state.outcomes[index] = Outcome(error=e)
+                (again if prepared.key in keys else fresh).append(index)
+                keys.add(prepared.key)
+            await self._phase1(conn, state, batch, fresh)
+            for index in again:
+                # A key used earlier in this batch (a client retrying before its answer came): read
+                # after the first one's claim, so that it answers what the first one is answered.
+                await self._phase1(conn, state, batch, [index])
             if state.changes:
                 await self._commit_changes(conn, state, batch)
         for index, original in state.replays.items():
@@ -201,16 +234,89 @@ class CorpusStore:
 
     # --- phase 1 -------------------------------------------------------------------------------
 
-    async def _stage(self, conn: Any, state: _Batch, index: int, prepared: Prepared) -> None:
+    async def _phase1(self, conn: Any, state: _Batch, batch: Sequence[Prepared], indexes: Sequence[int]) -> None:
+        """Read, check, claim and insert the commands at ``indexes`` (their keys all differ).
+
+        One statement reads what every command's rules need; the rules run here, in index order; one
+        statement claims the keys of every conversation and message that passed and inserts their
+        rows; assertions and retractions, rarer and each racing on a row of its own, are claimed and
+        inserted by a statement each.
+        """
+        rows = await conn.fetch(_READ_BATCH, *_read_arguments(batch, indexes))
+        pending: list[_Pending] = []
+        for index, row in zip(indexes, rows, strict=True):
+            prepared = batch[index]
+            try:
+                if self._replayed(state, index, prepared, row):
+                    continue
+                self._admit(state, prepared)
+                pending.append(self._plan(index, prepared, row))
+            except ApiError as e:
+                state.outcomes[index] = Outcome(error=e)
+                continue
+            # Charged now, so that the budget of a later command of the batch counts this one.
+            self._charge(state, prepared, 1)
+        won = await self._insert_rows(conn, [p for p in pending if p.message is not None])
+        for item in pending:
+            try:
+                if item.write is None:
+                    claimed, added = item.index in won, True
+                else:
+                    claimed, added = await item.write(conn)
+                if not claimed:
+                    # The key was claimed by a transaction that committed after our read.
+                    self._charge(state, item.prepared, -1)
+                    await self._lost_claim(conn, state, item.index, item.prepared)
+                    continue
+                if not added:
+                    # Another writer committed the same assertion or retraction after our read.
+                    self._charge(state, item.prepared, -1)
+                    await self._release_claim(conn, item.prepared)
+                    assert item.race is not None
+                    raise await item.race(conn)
+            except ApiError as e:
+                state.outcomes[item.index] = Outcome(error=e)
+                continue
+            state.claimed[item.prepared.key] = item.index
+            state.changes.append(item.change)
+
+    def _plan(self, index: int, prepared: Prepared, row: Any) -> _Pending:
+        """Check ``prepared``'s rules against what was read for it; what to write (raises ApiError)."""
         request = prepared.request
         if isinstance(request, corpus.NewConversation):
-            await self._create_conversation(conn, state, index, prepared, request)
-        elif isinstance(request, corpus.NewMessage):
-            await self._append_message(conn, state, index, prepared, request)
-        elif isinstance(request, corpus.NewRelationship):
-            await self._assert_relationship(conn, state, index, prepared, request)
-        else:
-            await self._retract_relationship(conn, state, index, prepared, request)
+            return self._create_conversation(index, prepared, request, row)
+        if isinstance(request, corpus.NewMessage):
+            return self._append_message(index, prepared, request, row)
+        if isinstance(request, corpus.NewRelationship):
+            return self._assert_relationship(index, prepared, request, row)
+        return self._retract_relationship(index, prepared, request, row)
+
+    @staticmethod
+    def _charge(state: _Batch, prepared: Prepared, changes: int) -> None:
+        budget = state.budgets.get(str(uuid.UUID(prepared.command.author_id))) if state.budgets else None
+        if budget is not None:
+            budget.taken += changes
+
+    async def _insert_rows(self, conn: Any, pending: Sequence[_Pending]) -> set[int]:
+        """Claim the keys of ``pending`` (conversations and messages) and insert the rows of those
+        whose claim succeeded, in one statement; return the indexes whose claim succeeded."""
+        if not pending:
+            return set()
+        claims: list[list[Any]] = [[] for _ in range(5)]
+        conversations: list[list[Any]] = [[] for _ in range(7)]
+        messages: list[list[Any]] = [[] for _ in range(13)]
+        for item in pending:
+            assert item.message is not None
+            for column, value in zip(claims, (*item.prepared.key, item.prepared.request_hash, item.index),
+                                     strict=True):
+                column.append(value)
+            if item.conversation is not None:
+                for column, value in zip(conversations, (item.index, *item.conversation), strict=True):
+                    column.append(value)
+            for column, value in zip(messages, (item.index, *item.message), strict=True):
+                column.append(value)
+        won = await conn.fetchval(_INSERT_ROWS, *claims, *conversations, *messages)
+        return set(won or ())
 
     def _replayed(self, state: _Batch, index: int, prepared: Prepared, row: Any) -> bool:
         """Answer from the idempotency record in ``row`` if there is one; True when answered."""
@@ -232,7 +338,7 @@ class CorpusStore:
 
     async def _lost_claim(self, conn: Any, state: _Batch, index: int, prepared: Prepared) -> None:
         """The key was claimed by a transaction that committed after our read: answer its outcome."""
-        row = await conn.fetchrow(_READ_OPERATION + _ONE_ROW, *prepared.key)
+        row = await conn.fetchrow(_READ_OPERATION, *prepared.key)
         if not self._replayed(state, index, prepared, row):  # pragma: no cover - the claim exists
             raise ApiError("internal: idempotency record vanished")
 
@@ -265,17 +371,13 @@ class CorpusStore:
     @staticmethod
     def _message_values(message_id: str, conversation_id: str, author_id: str, draft: corpus.MessageDraft,
                         created_at: datetime, mentions: list[tuple[str, str]]) -> tuple[Any, ...]:
-        return (message_id, conversation_id, author_id, list(draft.kinds), draft.content, draft.payload_json,
-                draft.schema_name, draft.schema_version, draft.reply_to, list(draft.tags),
-                [agent_id for agent_id, _ in mentions], created_at)
+        """A ``messages`` row as :data:`_INSERT_ROWS` takes it (array columns as JSON text)."""
+        return (message_id, conversation_id, author_id, _json_list(draft.kinds), draft.content,
+                draft.payload_json, draft.schema_name, draft.schema_version, draft.reply_to,
+                _json_list(draft.tags), _json_list([agent_id for agent_id, _ in mentions]), created_at)
 
-    async def _create_conversation(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
-                                   request: corpus.NewConversation) -> None:
-        row = await conn.fetchrow(_READ_OPERATION + ", " + _MENTIONS.format(n=4) + _ONE_ROW,
-                                  *prepared.key, [n.lower() for n in request.message.mention_names])
-        if self._replayed(state, index, prepared, row):
-            return
-        self._admit(state, prepared)
+    def _create_conversation(self, index: int, prepared: Prepared, request: corpus.NewConversation,
+                             row: Any) -> _Pending:
         author_id = prepared.command.author_id
         conversation_id, message_id = str(uuid.uuid4()), str(uuid.uuid4())
         partition = corpus.partition_of(conversation_id)
@@ -296,29 +398,14 @@ class CorpusStore:
         change = self._check_size(_Change(
             index=index, type=rep.CONVERSATION_CREATED, partition=partition, conversation_id=conversation_id,
             author_id=author_id, occurred_at=created_at, data=data, message_id=message_id))
-        claimed = await conn.fetchval(
-            _CLAIM + ", conversation as (insert into conversations (id, subject, author_id, root_message_id, "
-            "partition, created_at) select $5, $6, $1, $7, $8, $9 from claim)" + _insert_message(10)
-            + " select exists (select 1 from claim)",
-            *prepared.key, prepared.request_hash, conversation_id, request.subject, message_id, partition,
-            created_at, *self._message_values(message_id, conversation_id, author_id, request.message, created_at,
-                                              mentions))
-        if not claimed:
-            await self._lost_claim(conn, state, index, prepared)
-            return
-        self._staged(state, index, prepared, change)
+        return _Pending(
+            index=index, prepared=prepared, change=change,
+            conversation=(conversation_id, request.subject, author_id, message_id, partition, created_at),
+            message=self._message_values(message_id, conversation_id, author_id, request.message, created_at,
+                                         mentions))
 
-    async def _append_message(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
-                              request: corpus.NewMessage) -> None:
+    def _append_message(self, index: int, prepared: Prepared, request: corpus.NewMessage, row: Any) -> _Pending:
         draft = request.message
-        row = await conn.fetchrow(
-            _READ_OPERATION + ", " + _MENTIONS.format(n=4)
-            + ", (select partition from conversations where id = $5) as partition"
-            + ", (select conversation_id from messages where id = $6) as parent_conversation" + _ONE_ROW,
-            *prepared.key, [n.lower() for n in draft.mention_names], request.conversation_id, draft.reply_to)
-        if self._replayed(state, index, prepared, row):
-            return
-        self._admit(state, prepared)
         if row["partition"] is None:
             raise NotFound(f"There is no conversation {request.conversation_id}.", code="conversation_not_found",
                            how_to_proceed="Check the conversation id (GET /conversations lists them).")
@@ -342,29 +429,12 @@ class CorpusStore:
             index=index, type=rep.MESSAGE_APPENDED, partition=row["partition"],
             conversation_id=request.conversation_id, author_id=author_id, occurred_at=created_at,
             data=lambda sequence: {"message": message_data(sequence)}, message_id=message_id))
-        claimed = await conn.fetchval(
-            _CLAIM + _insert_message(5) + " select exists (select 1 from claim)",
-            *prepared.key, prepared.request_hash,
-            *self._message_values(message_id, request.conversation_id, author_id, draft, created_at, mentions))
-        if not claimed:
-            await self._lost_claim(conn, state, index, prepared)
-            return
-        self._staged(state, index, prepared, change)
+        return _Pending(index=index, prepared=prepared, change=change, message=self._message_values(
+            message_id, request.conversation_id, author_id, draft, created_at, mentions))
 
-    async def _assert_relationship(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
-                                   request: corpus.NewRelationship) -> None:
+    def _assert_relationship(self, index: int, prepared: Prepared, request: corpus.NewRelationship,
+                             row: Any) -> _Pending:
         author_id = prepared.command.author_id
-        row = await conn.fetchrow(
-            _READ_OPERATION
-            + ", (select array_agg(row(m.id, m.author_id, m.kinds, m.conversation_id, c.partition)) "
-              "from messages m join conversations c on c.id = m.conversation_id "
-              "where m.id = any(array[$4, $5]::uuid[])) as messages"
-            + ", (select relationship_id from active_relationships where source_message_id = $4 "
-              "and target_message_id = $5 and type = $6 and author_id = $1) as existing" + _ONE_ROW,
-            *prepared.key, request.source_message_id, request.target_message_id, request.type)
-        if self._replayed(state, index, prepared, row):
-            return
-        self._admit(state, prepared)
         found = {str(m[0]): m for m in row["messages"] or ()}
         for field_name, message_id in (("source_message_id", request.source_message_id),
                                        ("target_message_id", request.target_message_id)):
@@ -401,41 +471,31 @@ class CorpusStore:
             index=index, type=rep.RELATIONSHIP_ASSERTED, partition=partition,
             conversation_id=str(source_conversation), author_id=author_id, occurred_at=created_at,
             data=data, relationship_id=relationship_id))
-        result = await conn.fetchrow(
-            _CLAIM + ", active as (insert into active_relationships (source_message_id, target_message_id, type, "
-            "author_id, relationship_id) select $5, $6, $7, $1, $8 from claim on conflict do nothing returning 1), "
-            "relationship as (insert into relationships (id, type, source_message_id, target_message_id, author_id, "
-            "partition, created_at) select $8, $7, $5, $6, $1, $9, $10 from active) "
-            "select exists (select 1 from claim) as claimed, exists (select 1 from active) as added",
-            *prepared.key, prepared.request_hash, request.source_message_id, request.target_message_id,
-            request.type, relationship_id, partition, created_at)
-        if not result["claimed"]:
-            await self._lost_claim(conn, state, index, prepared)
-            return
-        if not result["added"]:
-            # Another writer committed the same assertion after our read.
-            await self._release_claim(conn, prepared)
+
+        async def write(conn: Any) -> tuple[bool, bool]:
+            result = await conn.fetchrow(
+                _CLAIM + ", active as (insert into active_relationships (source_message_id, target_message_id, "
+                "type, author_id, relationship_id) select $5, $6, $7, $1, $8 from claim on conflict do nothing "
+                "returning 1), relationship as (insert into relationships (id, type, source_message_id, "
+                "target_message_id, author_id, partition, created_at) select $8, $7, $5, $6, $1, $9, $10 "
+                "from active) select exists (select 1 from claim) as claimed, "
+                "exists (select 1 from active) as added",
+                *prepared.key, prepared.request_hash, request.source_message_id, request.target_message_id,
+                request.type, relationship_id, partition, created_at)
+            return result["claimed"], result["added"]
+
+        async def race(conn: Any) -> ApiError:
             existing = await conn.fetchval(
                 "select relationship_id from active_relationships where source_message_id = $1 "
                 "and target_message_id = $2 and type = $3 and author_id = $4",
                 request.source_message_id, request.target_message_id, request.type, author_id)
-            raise _duplicate(str(existing))
-        self._staged(state, index, prepared, change)
+            return _duplicate(str(existing))
 
-    async def _retract_relationship(self, conn: Any, state: _Batch, index: int, prepared: Prepared,
-                                    request: corpus.NewRetraction) -> None:
+        return _Pending(index=index, prepared=prepared, change=change, write=write, race=race)
+
+    def _retract_relationship(self, index: int, prepared: Prepared, request: corpus.NewRetraction,
+                              row: Any) -> _Pending:
         author_id = prepared.command.author_id
-        row = await conn.fetchrow(
-            _READ_OPERATION
-            + ", r.author_id as asserted_by, r.partition, m.conversation_id, "
-              "exists (select 1 from retractions x where x.relationship_id = r.id) as retracted"
-            + " from (values (1)) one left join operations o on o.author_id = $1 and o.operation = $2 "
-              "and o.token = $3 left join relationships r on r.id = $4 "
-              "left join messages m on m.id = r.source_message_id",
-            *prepared.key, request.relationship_id)
-        if self._replayed(state, index, prepared, row):
-            return
-        self._admit(state, prepared)
         if row["asserted_by"] is None:
             raise NotFound(f"There is no relationship {request.relationship_id}.", code="relationship_not_found",
                            how_to_proceed="Check the relationship id (GET /relationships lists them).")
@@ -453,23 +513,24 @@ class CorpusStore:
                                                  sequence=sequence, created_at=created_at)}
 
         change = self._check_size(_Change(
-            index=index, type=rep.RELATIONSHIP_RETRACTED, partition=row["partition"],
-            conversation_id=str(row["conversation_id"]), author_id=author_id, occurred_at=created_at, data=data,
-            retraction_id=retraction_id))
-        result = await conn.fetchrow(
-            _CLAIM + ", retraction as (insert into retractions (id, relationship_id, author_id, created_at) "
-            "select $5, $6, $1, $7 from claim on conflict (relationship_id) do nothing returning 1), "
-            "inactive as (delete from active_relationships where relationship_id = $6 "
-            "and exists (select 1 from retraction)) "
-            "select exists (select 1 from claim) as claimed, exists (select 1 from retraction) as added",
-            *prepared.key, prepared.request_hash, retraction_id, request.relationship_id, created_at)
-        if not result["claimed"]:
-            await self._lost_claim(conn, state, index, prepared)
-            return
-        if not result["added"]:
-            await self._release_claim(conn, prepared)  # a concurrent retraction committed first
-            raise _already_retracted()
-        self._staged(state, index, prepared, change)
+            index=index, type=rep.RELATIONSHIP_RETRACTED, partition=row["relationship_partition"],
+            conversation_id=str(row["relationship_conversation"]), author_id=author_id, occurred_at=created_at,
+            data=data, retraction_id=retraction_id))
+
+        async def write(conn: Any) -> tuple[bool, bool]:
+            result = await conn.fetchrow(
+                _CLAIM + ", retraction as (insert into retractions (id, relationship_id, author_id, created_at) "
+                "select $5, $6, $1, $7 from claim on conflict (relationship_id) do nothing returning 1), "
+                "inactive as (delete from active_relationships where relationship_id = $6 "
+                "and exists (select 1 from retraction)) "
+                "select exists (select 1 from claim) as claimed, exists (select 1 from retraction) as added",
+                *prepared.key, prepared.request_hash, retraction_id, request.relationship_id, created_at)
+            return result["claimed"], result["added"]
+
+        async def race(conn: Any) -> ApiError:  # a concurrent retraction committed first
+            return _already_retracted()
+
+        return _Pending(index=index, prepared=prepared, change=change, write=write, race=race)
 
     def _check_size(self, change: _Change) -> _Change:
         size = len(self._event(change, _SIZING_SEQUENCE))
@@ -479,14 +540,6 @@ class CorpusStore:
                 code="event_too_large", extra={"field": "content"},
                 how_to_proceed="Send less content or a smaller payload.")
         return change
-
-    @staticmethod
-    def _staged(state: _Batch, index: int, prepared: Prepared, change: _Change) -> None:
-        state.claimed[prepared.key] = index
-        state.changes.append(change)
-        budget = state.budgets.get(str(uuid.UUID(prepared.command.author_id))) if state.budgets else None
-        if budget is not None:
-            budget.taken += 1
 
     def _event(self, change: _Change, sequence: int) -> bytes:
         return rep.dumps(rep.envelope(
@@ -540,24 +593,104 @@ _LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select unnest($1::uui
                  "on conflict (agent_id) do update set tat = b.tat "
                  "returning agent_id, extract(epoch from tat)::float8 as tat, "
                  "extract(epoch from clock_timestamp())::float8 as now")
-#: Reads a command's idempotency record; the query continues with more columns and a FROM clause.
-_READ_OPERATION = "select o.request_hash, o.status, o.response, o.sequence"
-#: FROM clause of a read whose other columns are scalar subqueries: one row, the record or nulls.
-_ONE_ROW = (" from (values (1)) one left join operations o on o.author_id = $1 and o.operation = $2 "
-            "and o.token = $3")
-#: The agents named in ``$n`` (lowercased names) as (agent_id, name) rows.
-_MENTIONS = ("(select array_agg(row(a.agent_id, a.name)) from agents a "
-             "where lower(a.name) = any(${n}::text[])) as mentions")
-#: Claims the idempotency key ($1-$3, hash $4); the statement's other parts insert ``from claim``,
+#: Reads one command's idempotency record (a row of nulls when there is none).
+_READ_OPERATION = ("select o.request_hash, o.status, o.response, o.sequence from (values (1)) one "
+                   "left join operations o on o.author_id = $1 and o.operation = $2 and o.token = $3")
+#: Reads what the rules of every command of a batch need, one row per command in order: its
+#: idempotency record; the agents its message mentions ($10/$11: the command's position and a
+#: lowercased name, one pair per name); the partition of the conversation it appends to; the
+#: conversation of the message it replies to; the two messages an assertion relates and the active
+#: assertion it would duplicate; the relationship a retraction retracts. Each subquery is an index
+#: look-up; the columns a command's kind does not use are null.
+_READ_BATCH = (
+    "select o.request_hash, o.status, o.response, o.sequence, "
+    "(select array_agg(row(a.agent_id, a.name)) from agents a where lower(a.name) = any("
+    "  select x.name from unnest($10::bigint[], $11::text[]) as x(ord, name) where x.ord = c.ord)) as mentions, "
+    "(select v.partition from conversations v where v.id = c.conversation_id) as partition, "
+    "(select p.conversation_id from messages p where p.id = c.reply_to) as parent_conversation, "
+    "(select array_agg(row(m.id, m.author_id, m.kinds, m.conversation_id, k.partition)) from messages m "
+    "  join conversations k on k.id = m.conversation_id where m.id = any(array[c.source_id, c.target_id])) "
+    "  as messages, "
+    "(select e.relationship_id from active_relationships e where e.source_message_id = c.source_id "
+    "  and e.target_message_id = c.target_id and e.type = c.type and e.author_id = c.author_id) as existing, "
+    "r.author_id as asserted_by, r.partition as relationship_partition, "
+    "s.conversation_id as relationship_conversation, "
+    "exists (select 1 from retractions t where t.relationship_id = r.id) as retracted "
+    "from unnest($1::uuid[], $2::text[], $3::text[], $4::uuid[], $5::uuid[], $6::uuid[], $7::uuid[], $8::text[], "
+    "  $9::uuid[]) with ordinality as c(author_id, operation, token, conversation_id, reply_to, source_id, "
+    "  target_id, type, relationship_id, ord) "
+    "left join operations o on o.author_id = c.author_id and o.operation = c.operation and o.token = c.token "
+    "left join relationships r on r.id = c.relationship_id "
+    "left join messages s on s.id = r.source_message_id "
+    "order by c.ord")
+#: Claims the idempotency keys ($1-$4, each command's index $5) in key order (so that two batches
+#: claiming common keys wait on each other instead of deadlocking), then inserts the conversations
+#: ($6-$12) and messages ($13-$25) of the commands whose claim succeeded, keyed by index; returns
+#: those indexes. A key claimed meanwhile by a transaction that committed is skipped (``on conflict
+#: do nothing``), and so are its rows. Array columns come as JSON text (arrays of arrays cannot be
+#: ragged; text, since asyncpg would take a list of lists for a 2-D array); ``with ordinality`` keeps
+#: their order.
+_INSERT_ROWS = (
+    "with c as (select * from unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::int[]) "
+    "  as c(author_id, operation, token, request_hash, index)), "
+    "claim as (insert into operations (author_id, operation, token, request_hash) "
+    "  select author_id, operation, token, request_hash from c order by author_id, operation, token "
+    "  on conflict do nothing returning author_id, operation, token), "
+    "won as (select c.index from c join claim using (author_id, operation, token)), "
+    "conversation as (insert into conversations (id, subject, author_id, root_message_id, partition, created_at) "
+    "  select v.id, v.subject, v.author_id, v.root_message_id, v.partition, v.created_at "
+    "  from unnest($6::int[], $7::uuid[], $8::text[], $9::uuid[], $10::uuid[], $11::smallint[], "
+    "  $12::timestamptz[]) as v(index, id, subject, author_id, root_message_id, partition, created_at) "
+    "  join won using (index)), "
+    "message as (insert into messages (id, conversation_id, author_id, kinds, content, payload, schema_name, "
+    "  schema_version, reply_to, tags, mention_ids, created_at) "
+    "  select m.id, m.conversation_id, m.author_id, "
+    "  array(select e from jsonb_array_elements_text(m.kinds::jsonb) with ordinality as j(e, n) order by n), "
+    "  m.content, m.payload, m.schema_name, m.schema_version, m.reply_to, "
+    "  array(select e from jsonb_array_elements_text(m.tags::jsonb) with ordinality as j(e, n) order by n), "
+    "  array(select e::uuid from jsonb_array_elements_text(m.mention_ids::jsonb) with ordinality as j(e, n) "
+    "  order by n), m.created_at "
+    "  from unnest($13::int[], $14::uuid[], $15::uuid[], $16::uuid[], $17::text[], $18::text[], $19::text[], "
+    "  $20::text[], $21::int[], $22::uuid[], $23::text[], $24::text[], $25::timestamptz[]) "
+    "  as m(index, id, conversation_id, author_id, kinds, content, payload, schema_name, schema_version, "
+    "  reply_to, tags, mention_ids, created_at) join won using (index)) "
+    "select array_agg(index) from won")
+#: Claims one idempotency key ($1-$3, hash $4); the statement's other parts insert ``from claim``,
 #: so they write nothing when the key was taken meanwhile.
 _CLAIM = ("with claim as (insert into operations (author_id, operation, token, request_hash) "
           "values ($1, $2, $3, $4) on conflict do nothing returning 1)")
-def _insert_message(first: int) -> str:
-    """A ``message`` CTE inserting the 12 values from parameter ``first`` on, only if the claim succeeded."""
-    values = ", ".join(f"${n}" for n in range(first, first + 12))
-    return (", message as (insert into messages (id, conversation_id, author_id, kinds, content, payload, "
-            "schema_name, schema_version, reply_to, tags, mention_ids, created_at) "
-            f"select {values} from claim)")
+
+
+def _json_list(values: Sequence[str]) -> str:
+    return orjson.dumps(list(values)).decode()
+
+
+def _read_arguments(batch: Sequence[Prepared], indexes: Sequence[int]) -> list[list[Any]]:
+    """The arrays :data:`_READ_BATCH` takes for the commands of ``batch`` at ``indexes``."""
+    columns: list[list[Any]] = [[] for _ in range(9)]
+    mention_at: list[int] = []
+    mention_names: list[str] = []
+    for position, index in enumerate(indexes, start=1):
+        prepared = batch[index]
+        request = prepared.request
+        conversation_id = reply_to = source_id = target_id = type_ = relationship_id = None
+        names: Sequence[str] = ()
+        if isinstance(request, corpus.NewConversation):
+            names = request.message.mention_names
+        elif isinstance(request, corpus.NewMessage):
+            conversation_id, reply_to = request.conversation_id, request.message.reply_to
+            names = request.message.mention_names
+        elif isinstance(request, corpus.NewRelationship):
+            source_id, target_id, type_ = request.source_message_id, request.target_message_id, request.type
+        else:
+            relationship_id = request.relationship_id
+        for column, value in zip(columns, (*prepared.key, conversation_id, reply_to, source_id, target_id, type_,
+                                           relationship_id), strict=True):
+            column.append(value)
+        for name in names:
+            mention_at.append(position)
+            mention_names.append(name.lower())
+    return [*columns, mention_at, mention_names]
 
 
 def _duplicate(existing: str) -> Conflict:
