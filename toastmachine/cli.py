@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = oauth_sub.add_parser("revoke", help=cmd_oauth_revoke.__doc__)
     revoke.add_argument("id", help="a grant id, or a client id (revokes all its grants)")
     revoke.set_defaults(func=cmd_oauth_revoke)
+    from toastmachine.recovery_cli import add_commands as add_recovery_commands
+
+    add_recovery_commands(sub)
     return parser
 
 

@@ -1,0 +1,84 @@
+"""Archives for the recovery tests, written with the format's own encoders from real database rows.
+
+:func:`archive_database` does by hand what the archiver does for the public stream: it reads the
+change history of a database, cuts it into segments of ``per_segment`` events, puts each
+create-only, then the public key, one signed checkpoint per segment boundary (so there are older
+checkpoints to extend) and the manifest. :func:`raw_store` is the obstore handle below an
+:class:`ArchiveStore`, for tampering that the create-only contract refuses (overwrite, delete).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import orjson
+from obstore.store import LocalStore, S3Store
+
+from infra.archive_keys import archive_origin
+from infra.archive_store import ArchiveStore
+from infra.db import Target, connection
+from protocol.archive import (
+    GENESIS_HASH,
+    ArchivedEvent,
+    DecodedSegment,
+    Stream,
+    checkpoint_key,
+    decode_segment,
+    encode_segment,
+    event_body,
+    manifest_key,
+    public_key_key,
+    segment_key,
+)
+from protocol.checkpoint import Checkpoint, SignerKey, generate_signer_key, sign_checkpoint
+from protocol.manifest import encode_manifest, manifest_of
+from protocol.merkle import CompactTree
+
+
+@dataclass
+class Archived:
+    """What :func:`archive_database` wrote."""
+
+    lineage: uuid.UUID
+    corpus_id: uuid.UUID
+    key: SignerKey
+    segments: list[DecodedSegment]
+    root: bytes
+    size: int
+
+    def segment_key(self, index: int) -> str:
+        s = self.segments[index]
+        return segment_key(self.lineage, s.index, s.first_sequence, s.last_sequence)
+
+
+async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int = 5,
+                           key: SignerKey | None = None) -> Archived:
+    """Archive the whole change history of ``db`` into ``store`` (public stream)."""
+    async with connection(db) as conn:
+        witness = await conn.fetchrow("select corpus_id, lineage from corpus_witness")
+        rows = await conn.fetch("select sequence, event from changes order by sequence")
+    lineage, corpus_id = witness["lineage"], witness["corpus_id"]
+    key = key or generate_signer_key(archive_origin(corpus_id))
+    events = [ArchivedEvent(r["sequence"], event_body(orjson.loads(r["event"]))) for r in rows]
+    previous, segments, tree = GENESIS_HASH, [], CompactTree()
+    await store.put(public_key_key(lineage), (key.verifier().text() + "\n").encode())
+    for index, start in enumerate(range(0, len(events), per_segment)):
+        chunk = events[start:start + per_segment]
+        data = encode_segment(Stream.PUBLIC, lineage, index, previous, chunk)
+        segment = decode_segment(data)
+        await store.put(segment_key(lineage, index, segment.first_sequence, segment.last_sequence), data)
+        for event in chunk:
+            tree.append_hash(event.leaf_hash)
+        await store.put(checkpoint_key(lineage, tree.size),
+                        sign_checkpoint(Checkpoint(key.name, tree.size, tree.root()), key).encode())
+        segments.append(segment)
+        previous = segment.hash
+    await store.replace(manifest_key(lineage), encode_manifest(manifest_of(lineage, None, segments)))
+    return Archived(lineage, corpus_id, key, segments, tree.root(), tree.size)
+
+
+def raw_store(store: ArchiveStore) -> LocalStore | S3Store:
+    """The obstore store under ``store``: tests tamper through it, as an attacker with write access
+    to the bucket would, bypassing the create-only contract."""
+    return store._store

@@ -1,0 +1,143 @@
+"""The recovery commands of the CLI: ``archive verify``, ``archive restore`` and ``mirror``.
+
+Thin: each parses its options, opens what it needs (the store, the database) and calls
+:mod:`actors.recovery`, which holds the logic. Reports are JSON on stdout.
+
+Exit codes: 0 success; 1 a discrepancy (verify), a refused or failed restore; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from infra.archive_keys import KEY_FILE
+from infra.archive_store import ArchiveStore, S3Options
+from infra.config import Settings
+from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
+from protocol.errors import ConfigError
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.buffer.write(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+    sys.stdout.buffer.flush()
+
+
+def open_store(settings: Settings, url: str | None) -> ArchiveStore:
+    """The store ``url`` names (directory, file:// or s3:// with the configured S3 options), else the
+    configured archive store."""
+    if url is None:
+        return ArchiveStore.from_settings(settings)
+    return ArchiveStore.from_url(url, data_dir=settings.data_dir, s3=S3Options(
+        settings.archive_s3_endpoint, settings.archive_s3_region,
+        settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
+
+
+def pinned_key(text: str | None) -> VerifierKey | None:
+    """A ``--public-key`` value: the verifier key itself, or a file holding it."""
+    if text is None:
+        return None
+    if "+" not in text and Path(text).is_file():
+        text = Path(text).read_text(encoding="utf-8")
+    try:
+        return parse_verifier_key(text)
+    except CheckpointError as e:
+        raise ConfigError(f"--public-key: {e}") from None
+
+
+def operator_key(settings: Settings) -> VerifierKey | None:
+    """The public half of the operator's signing key, if there is one (never created here: a
+    verifier must not mint the key it then trusts)."""
+    if settings.archive_signing_key is not None:
+        return parse_signer_key(settings.archive_signing_key).verifier()
+    path = settings.data_dir / KEY_FILE
+    if not path.exists():
+        return None
+    try:
+        return parse_signer_key(path.read_text()).verifier()
+    except (OSError, CheckpointError) as e:
+        raise ConfigError(f"the archive signing key {path} cannot be read: {e}") from None
+
+
+def _lineage(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a lineage (a UUID)") from None
+
+
+# --- archive verify --------------------------------------------------------------------------------
+
+
+def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
+    """Check the archive against itself and the database; print a JSON report; exit 1 on any discrepancy."""
+    from actors.recovery.verify import verify_archive
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from infra.db import read_identity
+    from toastmachine.node import open_database
+
+    store = open_store(settings, args.from_store)
+    trusted = pinned_key(args.public_key) or operator_key(settings)
+
+    async def choose_lineage(db: Any) -> uuid.UUID | None:
+        if args.lineage is not None:
+            return args.lineage  # type: ignore[no-any-return]
+        if db is not None:
+            identity = await read_identity(db)
+            if identity is not None:
+                return identity.lineage
+        found = await archived_lineages(store)
+        if len(found) > 1:
+            raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
+                              "choose one with --lineage")
+        return found[0] if found else None
+
+    async def go() -> dict[str, Any]:
+        if args.no_database:
+            lineage = await choose_lineage(None)
+            if lineage is None:
+                return _nothing(store)
+            return (await verify_archive(StoreSource(store), lineage, trusted=trusted)).to_json()
+        async with open_database(settings) as (db, _embedded, _label):
+            lineage = await choose_lineage(db)
+            if lineage is None:
+                return _nothing(store)
+            return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
+
+    report = asyncio.run(go())
+    _print_json(report)
+    return 0 if report["ok"] else 1
+
+
+def _nothing(store: ArchiveStore) -> dict[str, Any]:
+    return {"ok": False, "archive": {"source": store.description}, "database": None,
+            "findings": [{"kind": "nothing_verified", "message": "no archived lineage in the store"}]}
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``archive verify|restore`` and ``mirror`` to the CLI's subcommands.
+
+    Called by :func:`toastmachine.cli.build_parser`; returns nothing. If an ``archive`` parser
+    already exists (``archive status`` lives with the archiver), its subparsers are extended.
+    """
+    archive = sub.choices.get("archive") or sub.add_parser(
+        "archive", help="the archive: status, verify, restore")
+    actions = next((a for a in archive._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if actions is None:
+        actions = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
+    verify = actions.add_parser("verify", help=cmd_archive_verify.__doc__)
+    verify.add_argument("--from-store", metavar="URL", default=None,
+                        help="the store to check (directory, file:// or s3://); default TOASTMACHINE_ARCHIVE_URL")
+    verify.add_argument("--lineage", type=_lineage, default=None,
+                        help="the lineage to check (default: the database's, else the store's only one)")
+    verify.add_argument("--public-key", metavar="KEY", default=None,
+                        help="the pinned verifier key (or a file holding it); default: the operator's signing "
+                             "key, else the archive's own public-key.txt (reported as not pinned)")
+    verify.add_argument("--no-database", action="store_true", help="check the archive alone")
+    verify.set_defaults(func=cmd_archive_verify)
