@@ -31,6 +31,7 @@ from protocol.archive import (
     public_key_key,
     segment_key,
 )
+from protocol.archive_private import AgentRecord, OperationRecord, PrivateRecord, encode_private_record
 from protocol.checkpoint import Checkpoint, SignerKey, generate_signer_key, sign_checkpoint
 from protocol.manifest import encode_manifest, manifest_of
 from protocol.merkle import CompactTree
@@ -53,11 +54,14 @@ class Archived:
 
 
 async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int = 5,
-                           key: SignerKey | None = None) -> Archived:
-    """Archive the whole change history of ``db`` into ``store`` (public stream)."""
+                           key: SignerKey | None = None, private: bool = True) -> Archived:
+    """Archive the whole change history of ``db`` into ``store`` (public stream) and, with
+    ``private``, its agent register and answered operation records (private stream)."""
     async with connection(db) as conn:
         witness = await conn.fetchrow("select corpus_id, lineage from corpus_witness")
         rows = await conn.fetch("select sequence, event from changes order by sequence")
+        agents = await conn.fetch("select * from agents order by created_at, agent_id")
+        operations = await conn.fetch("select * from operations where status is not null order by created_at")
     lineage, corpus_id = witness["lineage"], witness["corpus_id"]
     key = key or generate_signer_key(archive_origin(corpus_id))
     events = [ArchivedEvent(r["sequence"], event_body(orjson.loads(r["event"]))) for r in rows]
@@ -75,6 +79,20 @@ async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int 
         segments.append(segment)
         previous = segment.hash
     await store.replace(manifest_key(lineage), encode_manifest(manifest_of(lineage, None, segments)))
+    if private:
+        records: list[PrivateRecord] = [
+            AgentRecord(a["agent_id"], a["name"], a["description"], bytes(a["credential_hash"]), a["onboarded_at"],
+                        a["created_at"]) for a in agents]
+        # Operations after the agents they belong to, as the archiver captures them.
+        records += [OperationRecord(o["author_id"], o["operation"], o["token"], bytes(o["request_hash"]),
+                                    o["status"], o["response"], o["sequence"], o["created_at"]) for o in operations]
+        frames = [ArchivedEvent(n, encode_private_record(r)) for n, r in enumerate(records, start=1)]
+        previous = GENESIS_HASH
+        for index, start in enumerate(range(0, len(frames), per_segment)):
+            chunk = frames[start:start + per_segment]
+            data = encode_segment(Stream.PRIVATE, lineage, index, previous, chunk)
+            await store.put(segment_key(lineage, index, chunk[0].sequence, chunk[-1].sequence, Stream.PRIVATE), data)
+            previous = decode_segment(data).hash
     return Archived(lineage, corpus_id, key, segments, tree.root(), tree.size)
 
 

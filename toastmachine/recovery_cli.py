@@ -120,6 +120,46 @@ def _nothing(store: ArchiveStore) -> dict[str, Any]:
             "findings": [{"kind": "nothing_verified", "message": "no archived lineage in the store"}]}
 
 
+# --- archive restore -------------------------------------------------------------------------------
+
+
+def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
+    """Restore an archive into an EMPTY database under a fresh lineage (verified before anything is written)."""
+    from actors.recovery.restore import RestoreRefused, restore_archive
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from toastmachine.node import open_database
+
+    store = open_store(settings, args.source)
+    trusted = pinned_key(args.public_key) or operator_key(settings)
+
+    async def go() -> dict[str, Any]:
+        lineage = args.lineage
+        if lineage is None:
+            found = await archived_lineages(store)
+            if len(found) != 1:
+                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found)) or 'none'}): "
+                                  "choose one with --lineage")
+            lineage = found[0]
+        async with open_database(settings) as (db, _embedded, _label):
+            report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
+                                           new_lineage=args.new_lineage or settings.lineage,
+                                           republish=args.republish)
+        if settings.corpus_id is not None and settings.corpus_id != report.corpus_id:
+            # Written already (the archive decides the corpus); say so before a node refuses to start.
+            print(f"toastmachine: note: TOASTMACHINE_CORPUS_ID={settings.corpus_id} but the restored corpus is "
+                  f"{report.corpus_id}: change the configuration", file=sys.stderr)
+        return report.to_json()
+
+    try:
+        report = asyncio.run(go())
+    except RestoreRefused as e:
+        _print_json({"ok": False, "refused": str(e), "findings": [f.report() for f in e.findings]})
+        print(f"toastmachine: restore refused, nothing written: {e}", file=sys.stderr, flush=True)
+        return 1
+    _print_json(report)
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     """Add ``archive verify|restore`` and ``mirror`` to the CLI's subcommands.
 
@@ -141,3 +181,17 @@ def add_commands(sub: Any) -> None:
                              "key, else the archive's own public-key.txt (reported as not pinned)")
     verify.add_argument("--no-database", action="store_true", help="check the archive alone")
     verify.set_defaults(func=cmd_archive_verify)
+    restore = actions.add_parser("restore", help=cmd_archive_restore.__doc__)
+    restore.add_argument("--from", dest="source", metavar="URL", required=True,
+                         help="the archive store (directory, file:// or s3://bucket/prefix)")
+    restore.add_argument("--lineage", type=_lineage, default=None,
+                         help="the lineage to restore (default: the store's only one)")
+    restore.add_argument("--public-key", metavar="KEY", default=None,
+                         help="the pinned verifier key (or a file); default: the operator's signing key, else "
+                              "the archive's own public-key.txt")
+    restore.add_argument("--new-lineage", type=_lineage, default=None,
+                         help="the fresh lineage (default: TOASTMACHINE_LINEAGE, else a random one)")
+    restore.add_argument("--republish", action="store_true",
+                         help="publish the restored history to RabbitMQ again (default: the publisher starts "
+                              "after it)")
+    restore.set_defaults(func=cmd_archive_restore)

@@ -29,14 +29,20 @@ from typing import Any, Protocol
 
 from infra.archive_store import ArchiveStore, ArchiveStoreError, ObjectNotFound
 from protocol.archive import (
+    GENESIS_HASH,
     MAX_SEGMENT_BYTES,
+    ArchiveFormatError,
     DecodedSegment,
+    Stream,
     checkpoint_key,
+    decode_segment,
     manifest_key,
+    parse_segment_key,
     public_key_key,
     segment_key,
 )
 from protocol.archive_check import ChainChecker, Finding, check_listing
+from protocol.archive_private import decode_private_record
 from protocol.checkpoint import (
     MAX_NOTE_BYTES,
     Checkpoint,
@@ -294,3 +300,85 @@ class ArchiveWalk:
     def checkpoint(self) -> Checkpoint | None:
         """The newest signature-checked checkpoint."""
         return self._checkpoints[-1][1] if self._checkpoints else None
+
+
+class PrivateWalk:
+    """A checked pass over a lineage's private stream (operation records and the agent register).
+
+    The manifest lists only the public stream, so the private segments are found by listing
+    ``<lineage>/private/segments/``: their indexes must run 0, 1, 2... without a gap, each segment
+    must pass every check of :func:`~protocol.archive.decode_segment` and link to the one before, and
+    every frame must be a valid private record. A source that cannot list has no private stream to
+    offer (a node never serves it publicly).
+    """
+
+    def __init__(self, source: ArchiveSource, lineage: uuid.UUID) -> None:
+        self.source = source
+        self.lineage = lineage
+        self.findings: list[Finding] = []
+        self.segments_checked = 0
+        self.records_checked = 0
+        self._entries: list[tuple[int, str]] = []
+        #: Segment hashes seen by the first pass: a later pass (restore reads the stream twice)
+        #: must read the very same bytes.
+        self._hashes: dict[int, bytes] = {}
+
+    async def open(self) -> bool:
+        """List the private segments; False (with a finding) when there are none or they have a gap."""
+        prefix = f"{self.lineage}/private/segments"
+        try:
+            keys = await self.source.keys(prefix)
+        except ArchiveStoreError as e:
+            self.findings.append(Finding("unlistable_store", str(e)))
+            return False
+        if not keys:
+            self.findings.append(Finding("missing_private_stream", f"no segment under {prefix}/: the agent "
+                                         "register and the operation records cannot be restored", key=prefix))
+            return False
+        parsed = []
+        for key in keys:
+            info = parse_segment_key(key)
+            if info is None or info.lineage != self.lineage or info.stream is not Stream.PRIVATE:
+                self.findings.append(Finding("orphan_object", f"{key} is not a private segment key", key=key))
+                continue
+            parsed.append((info.index, key))
+        parsed.sort()
+        for expected, (index, key) in enumerate(parsed):
+            if index != expected:
+                self.findings.append(Finding("missing_segment", f"private segment {expected} is absent "
+                                             f"(the next present is {index})", index=expected))
+                return False
+        self._entries = parsed
+        return bool(parsed)
+
+    async def segments(self) -> AsyncIterator[DecodedSegment]:
+        """Every private segment in index order, each checked and linked; stops at the first bad one
+        (a restore cannot skip part of the register). Can be iterated again; counts are per pass."""
+        previous = GENESIS_HASH
+        self.segments_checked = self.records_checked = 0
+        for index, key in self._entries:
+            try:
+                data = await self.source.get(key, max_bytes=MAX_SEGMENT_BYTES)
+                segment = decode_segment(data, expected_previous_hash=previous, expected_lineage=self.lineage,
+                                         expected_index=index, expected_stream=Stream.PRIVATE)
+                for event in segment.events:
+                    decode_private_record(event.body)
+            except ObjectNotFound:
+                self.findings.append(Finding("missing_segment", f"{key} vanished while being read", key=key,
+                                             index=index))
+                return
+            except ArchiveStoreError as e:
+                self.findings.append(Finding("unreadable_object", str(e), key=key, index=index))
+                return
+            except ArchiveFormatError as e:
+                self.findings.append(Finding(e.kind, str(e), key=key, index=index, offset=e.offset,
+                                             sequence=e.sequence))
+                return
+            if self._hashes.setdefault(index, segment.hash) != segment.hash:
+                self.findings.append(Finding("changed_during_read", f"{key} changed between two reads", key=key,
+                                             index=index))
+                return
+            previous = segment.hash
+            self.segments_checked += 1
+            self.records_checked += segment.event_count
+            yield segment

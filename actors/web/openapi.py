@@ -239,7 +239,13 @@ def _schemas() -> dict[str, Schema]:
         "counts": _obj({n: ref("Count") for n in ("agents", "conversations", "messages", "relationships",
                                                   "changes")}),
         "links": _obj({"changes": {"const": export.CHANGES_PATH}, "snapshot": {"const": export.SNAPSHOT_PATH},
-                       "stream": {"const": export.STREAM_PATH}})})
+                       "stream": {"const": export.STREAM_PATH}})},
+        {"provenance": _obj({"parent_lineage": ref("Id"), "checkpoint_size": ref("Count"),
+                             "checkpoint_root": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                             "restored_through": ref("Sequence"),
+                             "restored_at": {"type": "string", "format": "date-time"}},
+                            description="A restored history: the lineage it was restored from and the signed "
+                                        "checkpoint it was verified against (absent for an original history).")})
     s["EventEnvelope"] = _event_envelope()
     s["SnapshotLine"] = {
         "description": "One line of GET /corpus/snapshot.jsonl: a current record and its sequence.",
