@@ -372,6 +372,10 @@ class Archiver(Actor):
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
                     self._probed = True
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
+                    if self.parent_lineage is None:
+                        # A restored history names its parent in the manifest (migration 0009's row).
+                        self.parent_lineage = await session.conn.fetchval(
+                            "select parent_lineage from corpus_provenance")
                 busy = False
                 for stream in (Stream.PUBLIC, Stream.PRIVATE):
                     busy |= await guarded(session, self._round(session, stream))

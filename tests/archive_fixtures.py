@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import orjson
 from obstore.store import LocalStore, S3Store
 
+from actors.archiver import PRIVATE_EXTENSION
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.db import Target, connection
@@ -28,6 +29,7 @@ from protocol.archive import (
     encode_segment,
     event_body,
     manifest_key,
+    private_checkpoint_key,
     public_key_key,
     segment_key,
 )
@@ -87,12 +89,17 @@ async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int 
         records += [OperationRecord(o["author_id"], o["operation"], o["token"], bytes(o["request_hash"]),
                                     o["status"], o["response"], o["sequence"], o["created_at"]) for o in operations]
         frames = [ArchivedEvent(n, encode_private_record(r)) for n, r in enumerate(records, start=1)]
-        previous = GENESIS_HASH
+        previous, private_tree = GENESIS_HASH, CompactTree()
         for index, start in enumerate(range(0, len(frames), per_segment)):
             chunk = frames[start:start + per_segment]
             data = encode_segment(Stream.PRIVATE, lineage, index, previous, chunk)
             await store.put(segment_key(lineage, index, chunk[0].sequence, chunk[-1].sequence, Stream.PRIVATE), data)
             previous = decode_segment(data).hash
+            for frame in chunk:
+                private_tree.append_hash(frame.leaf_hash)
+        if frames:
+            note = sign_checkpoint(Checkpoint(key.name, private_tree.size, private_tree.root(), (PRIVATE_EXTENSION,)), key)
+            await store.put(private_checkpoint_key(lineage, private_tree.size), note.encode())
     return Archived(lineage, corpus_id, key, segments, tree.root(), tree.size)
 
 

@@ -263,10 +263,13 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
             raise RestoreRefused(f"the checkpoint origin {checkpoint.origin!r} names no corpus") from None
         # Witness first: a concurrent restore into the same database waits on it, then finds it taken.
         await conn.execute("insert into corpus_witness (corpus_id, lineage) values ($1, $2)", corpus_id, new_lineage)
-        private = PrivateWalk(source, lineage)
-        if not await private.open():
+        private = PrivateWalk(source, lineage, walk.verifier)
+        if not await private.open() or private.findings:
             raise RestoreRefused("the archive has no usable private stream", private.findings)
         agent_records = await _apply_private(conn, private, AgentRecord)
+        private.finish()  # the first pass read every record: the private checkpoint must match
+        if private.findings:
+            raise RestoreRefused("the private stream does not verify", private.findings)
         operation_records = await _apply_private(conn, private, OperationRecord)
         if private.findings:
             raise RestoreRefused("the private stream does not verify", private.findings)

@@ -21,7 +21,8 @@ from typing import Any
 
 import orjson
 
-from actors.recovery.walk import ArchiveSource, ArchiveWalk, WalkSummary
+from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk, WalkSummary
+from infra.archive_store import ArchiveStoreError
 from infra.db import Target, connection
 from protocol.archive import DecodedSegment, event_body
 from protocol.archive_check import Finding
@@ -54,13 +55,15 @@ class VerifyReport:
     archive: WalkSummary
     database: DatabaseComparison | None
     findings: list[Finding]
+    #: The private stream's counts and root (None: the source has none to check).
+    private: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "archive": self.archive.to_json(),
+        return {"ok": self.ok, "archive": self.archive.to_json(), "private": self.private,
                 "database": None if self.database is None else self.database.to_json(),
                 "findings": [f.report() for f in self.findings]}
 
@@ -142,8 +145,25 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
                 comparer.skip(manifest.archived_through or 0)
             await comparer.finish()
     walk.finish()
+    private: dict[str, Any] | None = None
+    if walk.manifest is not None and await _has_private_stream(source, lineage):
+        private_walk = PrivateWalk(source, lineage, walk.verifier)
+        if await private_walk.open():
+            async for _ in private_walk.segments():
+                pass
+            private_walk.finish()
+        findings += private_walk.findings
+        private = private_walk.to_json()
     all_findings = walk.findings + findings
     if walk.summary.segments_checked == 0:
         # Checking nothing proves nothing: an empty, absent or wholly unreadable archive fails.
         all_findings.insert(0, Finding("nothing_verified", "no segment of the archive could be checked"))
-    return VerifyReport(walk.summary, comparison, all_findings)
+    return VerifyReport(walk.summary, comparison, all_findings, private)
+
+
+async def _has_private_stream(source: ArchiveSource, lineage: uuid.UUID) -> bool:
+    """Whether ``source`` lists any private object (a node's public routes never show them)."""
+    try:
+        return bool(await source.keys(f"{lineage}/private"))
+    except ArchiveStoreError:
+        return False

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from actors.archiver import PRIVATE_EXTENSION
 from infra.archive_store import ArchiveStore, ArchiveStoreError, ObjectNotFound
 from protocol.archive import (
     GENESIS_HASH,
@@ -38,6 +39,7 @@ from protocol.archive import (
     decode_segment,
     manifest_key,
     parse_segment_key,
+    private_checkpoint_key,
     public_key_key,
     segment_key,
 )
@@ -140,6 +142,8 @@ class ArchiveWalk:
         self.trusted = trusted
         self.summary = WalkSummary(lineage, source.description)
         self.manifest: Manifest | None = None
+        #: The key checkpoints are checked with, once :meth:`open` chose it.
+        self.verifier: VerifierKey | None = None
         self._checker: ChainChecker | None = None
         self._checkpoints: list[tuple[str, Checkpoint]] = []
         self._tree = CompactTree()
@@ -165,7 +169,7 @@ class ArchiveWalk:
     async def open(self) -> bool:
         """Key, manifest, listing and checkpoints. False when there is no usable manifest (nothing
         more can be checked; the finding says why)."""
-        verifier = await self._verifier()
+        verifier = self.verifier = await self._verifier()
         key = manifest_key(self.lineage)
         data = await self._get(key, MAX_MANIFEST_BYTES)
         if data is None:
@@ -312,9 +316,11 @@ class PrivateWalk:
     offer (a node never serves it publicly).
     """
 
-    def __init__(self, source: ArchiveSource, lineage: uuid.UUID) -> None:
+    def __init__(self, source: ArchiveSource, lineage: uuid.UUID, verifier: VerifierKey | None) -> None:
+        """``verifier``: the key the public walk checked checkpoints with (None: none usable)."""
         self.source = source
         self.lineage = lineage
+        self.verifier = verifier
         self.findings: list[Finding] = []
         self.segments_checked = 0
         self.records_checked = 0
@@ -322,6 +328,8 @@ class PrivateWalk:
         #: Segment hashes seen by the first pass: a later pass (restore reads the stream twice)
         #: must read the very same bytes.
         self._hashes: dict[int, bytes] = {}
+        self._checkpoint: tuple[str, Checkpoint] | None = None
+        self._root: bytes | None = None
 
     async def open(self) -> bool:
         """List the private segments; False (with a finding) when there are none or they have a gap."""
@@ -331,6 +339,7 @@ class PrivateWalk:
         except ArchiveStoreError as e:
             self.findings.append(Finding("unlistable_store", str(e)))
             return False
+        await self._read_checkpoint()
         if not keys:
             self.findings.append(Finding("missing_private_stream", f"no segment under {prefix}/: the agent "
                                          "register and the operation records cannot be restored", key=prefix))
@@ -351,11 +360,57 @@ class PrivateWalk:
         self._entries = parsed
         return bool(parsed)
 
+    async def _read_checkpoint(self) -> None:
+        """The newest private checkpoint (``private/checkpoints/<size>``, extension line ``private``)."""
+        prefix = f"{self.lineage}/private/checkpoints"
+        try:
+            listed = await self.source.keys(prefix) or []
+        except ArchiveStoreError as e:
+            self.findings.append(Finding("unlistable_store", str(e)))
+            return
+        keys = sorted(k for k in listed if k.rsplit("/", 1)[1].isdigit())
+        if not keys or self.verifier is None:
+            self.findings.append(Finding("missing_checkpoint", f"no signed checkpoint under {prefix}/", key=prefix))
+            return
+        key = keys[-1]
+        try:
+            checkpoint = verify_checkpoint(await self.source.get(key, max_bytes=MAX_NOTE_BYTES), self.verifier)
+        except CheckpointError as e:
+            self.findings.append(Finding(e.kind, f"{key}: {e}", key=key))
+            return
+        except ArchiveStoreError as e:
+            self.findings.append(Finding("unreadable_object", str(e), key=key))
+            return
+        if checkpoint.extensions != (PRIVATE_EXTENSION,) or key != private_checkpoint_key(self.lineage, checkpoint.size):
+            self.findings.append(Finding("identity_mismatch", f"{key} is not a private checkpoint of its size", key=key))
+            return
+        self._checkpoint = (key, checkpoint)
+
+    def finish(self) -> None:
+        """After a complete pass: the newest private checkpoint must cover every record, with the root."""
+        if self._checkpoint is None or self._root is None:
+            return
+        key, checkpoint = self._checkpoint
+        if checkpoint.size != self.records_checked:
+            self.findings.append(Finding("checkpoint_size_mismatch", f"the private checkpoint covers {checkpoint.size} "
+                                         f"records, the private segments hold {self.records_checked}", key=key))
+        elif checkpoint.root != self._root:
+            self.findings.append(Finding("root_mismatch", "the private checkpoint's root is not the root of the "
+                                         "archived records", key=key))
+
+    def to_json(self) -> dict[str, Any]:
+        checkpoint = self._checkpoint[1] if self._checkpoint else None
+        return {"segments_checked": self.segments_checked, "records_checked": self.records_checked,
+                "root": self._root.hex() if self._root else None,
+                "checkpoint_size": checkpoint.size if checkpoint else None}
+
     async def segments(self) -> AsyncIterator[DecodedSegment]:
         """Every private segment in index order, each checked and linked; stops at the first bad one
         (a restore cannot skip part of the register). Can be iterated again; counts are per pass."""
         previous = GENESIS_HASH
         self.segments_checked = self.records_checked = 0
+        tree = CompactTree()
+        self._root = None
         for index, key in self._entries:
             try:
                 data = await self.source.get(key, max_bytes=MAX_SEGMENT_BYTES)
@@ -381,4 +436,7 @@ class PrivateWalk:
             previous = segment.hash
             self.segments_checked += 1
             self.records_checked += segment.event_count
+            for event in segment.events:
+                tree.append_hash(event.leaf_hash)
             yield segment
+        self._root = tree.root()
