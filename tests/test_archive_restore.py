@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,15 @@ import obstore
 import orjson
 import pytest
 
+from actors.archiver import Archiver, SealPolicy
 from actors.recovery.restore import RestoreRefused, restore_archive
+from actors.recovery.verify import verify_archive
 from actors.recovery.walk import StoreSource
+from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.db import Database, apply_migrations
 from protocol.archive import Stream, event_body, segment_key
+from protocol.checkpoint import generate_signer_key
 from protocol.merkle import leaf_hash, tree_root
 from tests.archive_fixtures import Archived, archive_database, raw_store
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
@@ -61,6 +67,16 @@ def _without_lineage(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def _changes(stack: Stack) -> list[dict[str, Any]]:
     body = await _read(stack, "/corpus/changes.jsonl?limit=10000")
     return [orjson.loads(line) for line in body.splitlines()]
+
+
+@dataclass
+class Parent:
+    """The archived history a restore starts from: its identity, tree size and root."""
+
+    lineage: uuid.UUID
+    corpus_id: uuid.UUID
+    size: int
+    root: bytes
 
 
 class Original:
@@ -138,10 +154,11 @@ async def test_restore_round_trip(stack_backends: tuple[str | None, str], store:
             assert report["counts"]["changes"] == len(original.changes) == archived.size
             assert report["counts"]["agents"] == 3 and report["counts"]["changes_without_operation_record"] == 0
             async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
-                await _check_restored(restored, original, archived, report)
+                parent_history = Parent(archived.lineage, archived.corpus_id, archived.size, archived.root)
+                await _check_restored(restored, original, parent_history, report)
 
 
-async def _check_restored(restored: Stack, original: Original, archived: Archived, report: dict[str, Any]) -> None:
+async def _check_restored(restored: Stack, original: Original, archived: Parent, report: dict[str, Any]) -> None:
     new_lineage = str(restored.identity.lineage)
     assert new_lineage == report["lineage"] != str(archived.lineage)
     assert restored.identity.corpus_id == archived.corpus_id
@@ -177,6 +194,54 @@ async def _check_restored(restored: Stack, original: Original, archived: Archive
     assert fresh["message"]["sequence"] > original.head
     # Nothing was republished: the publisher's cursor starts at the restored head.
     assert await restored.db.pool.fetchval("select sequence from publisher_cursor") == original.head
+
+
+async def _archived_by_the_archiver(stack: Stack, store: ArchiveStore) -> None:
+    """Run the archiver actor until both streams are published through their heads."""
+    signer = generate_signer_key(archive_origin(stack.identity.corpus_id))
+    archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store, signer=signer,
+                        node_id="restore-test", policy=SealPolicy(events=4, seconds=0.1), sweep_interval=0.1)
+    await archiver.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            row = await stack.db.pool.fetchrow(
+                "select (select published_through from archive_watermarks where stream = 0) = "
+                "(select max(sequence) from changes) as public, "
+                "(select published_through from archive_watermarks where stream = 1) = "
+                "(select coalesce(max(sequence), 0) from archive_private_records) "
+                "and not exists (select 1 from archive_private_pending) as private")
+            if row["public"] and row["private"]:
+                return
+            assert time.monotonic() < deadline, "the archiver did not catch up"
+            await asyncio.sleep(0.05)  # polling the watermarks, with the deadline above
+    finally:
+        await archiver.stop(grace=5)
+
+
+async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    """Load, archive with the real archiver, verify, restore: the same corpus under a fresh lineage."""
+    amqp_url, server = stack_backends
+    original = Original()
+    store = ArchiveStore.local(tmp_path / "archive")
+    async with fresh_database(server) as source_dsn:
+        async with running_stack(source_dsn, amqp_url, STACK_ENV) as stack:
+            await _write_history(stack, original)
+            await _archived_by_the_archiver(stack, store)
+            verified = await verify_archive(StoreSource(store), stack.identity.lineage, db=stack.db)
+            assert verified.ok, verified.to_json()
+            assert verified.private is not None and verified.private["records_checked"] > 0
+            parent = Parent(stack.identity.lineage, stack.identity.corpus_id, verified.archive.tree_size,
+                            bytes.fromhex(verified.archive.root or ""))
+        async with fresh_database(server) as dsn:
+            db = await Database.connect(dsn, min_size=1, max_size=2)
+            try:
+                await apply_migrations(db)
+                report = (await restore_archive(StoreSource(store), parent.lineage, db)).to_json()
+            finally:
+                await db.close()
+            async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
+                await _check_restored(restored, original, parent, report)
 
 
 async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
