@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import orjson
 
+from actors.recovery.load import HistoryLoader, LoadRefused
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk
 from actors.writer.store import SEQUENCE_LOCK
 from infra.db import Target, connection
 from infra.logs import get_logger
-from protocol import representations as rep
 from protocol.archive_check import Finding
 from protocol.archive_private import AgentRecord, OperationRecord, decode_private_record
 from protocol.checkpoint import VerifierKey
-from protocol.corpus import canonical_json
 from protocol.errors import ToastMachineError
 
 log = get_logger("toastmachine.actors.recovery.restore")
@@ -80,10 +79,6 @@ class RestoreReport:
                 "restored_through": self.restored_through, "counts": self.counts, "republish": self.republish}
 
 
-def _time(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
-
-
 async def _refuse_unless_empty(conn: Any) -> None:
     row = await conn.fetchrow(
         "select exists (select 1 from corpus_witness) as witness, exists (select 1 from agents) as agents,"
@@ -92,118 +87,6 @@ async def _refuse_unless_empty(conn: Any) -> None:
     if held:
         raise RestoreRefused("the database is not empty (it holds: " + ", ".join(held) + "); a restore "
                              "writes only into an empty database, under a fresh lineage")
-
-
-class _Loader:
-    """Writes one segment's events as the corpus writer would have written their rows."""
-
-    def __init__(self, conn: Any, corpus_id: str, lineage: str) -> None:
-        self.conn = conn
-        self.corpus_id = corpus_id
-        self.lineage = lineage
-        self.counts = {"changes": 0, "conversations": 0, "messages": 0, "relationships": 0, "retractions": 0}
-        self.last_sequence = 0
-
-    async def segment(self, events: list[tuple[int, dict[str, Any]]]) -> None:
-        conversations, messages, relationships, retractions = [], [], [], []
-        for sequence, envelope in events:
-            if envelope.get("corpus_id") != self.corpus_id or envelope.get("sequence") != sequence:
-                raise RestoreRefused(f"archived change {sequence} names another corpus or sequence")
-            data, kind = envelope["data"], envelope["type"]
-            if kind == rep.CONVERSATION_CREATED:
-                c = data["conversation"]
-                conversations.append((c["id"], c["subject"], c["author"]["agent_id"], c["root_message_id"],
-                                      envelope["partition"], _time(c["created_at"])))
-            if kind in (rep.CONVERSATION_CREATED, rep.MESSAGE_APPENDED):
-                m = data["message"]
-                payload = canonical_json(m["payload"]).decode() if "payload" in m else None
-                messages.append((m["id"], m["conversation_id"], m["author"]["agent_id"], m["kinds"], m.get("content"),
-                                 payload, m.get("schema_name"), m.get("schema_version"), m.get("reply_to"),
-                                 m["tags"], [x["agent_id"] for x in m["mentions"]], _time(m["created_at"])))
-            elif kind == rep.RELATIONSHIP_ASSERTED:
-                r = data["relationship"]
-                relationships.append((r["id"], r["type"], r["source_message_id"], r["target_message_id"],
-                                      r["author"]["agent_id"], envelope["partition"], _time(r["created_at"])))
-            elif kind == rep.RELATIONSHIP_RETRACTED:
-                x = data["retraction"]
-                retractions.append((x["id"], x["relationship_id"], _time(x["created_at"])))
-        conn = self.conn
-        if conversations:
-            await conn.executemany("insert into conversations (id, subject, author_id, root_message_id, partition, "
-                                   "created_at) values ($1, $2, $3, $4, $5, $6)", conversations)
-        if messages:
-            # In sequence order: a reply's parent is inserted before it.
-            await conn.executemany(
-                "insert into messages (id, conversation_id, author_id, kinds, content, payload, schema_name, "
-                "schema_version, reply_to, tags, mention_ids, created_at) "
-                "values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)", messages)
-        if relationships:
-            await conn.executemany(
-                "insert into relationships (id, type, source_message_id, target_message_id, author_id, partition, "
-                "created_at) values ($1, $2, $3, $4, $5, $6, $7)", relationships)
-        if retractions:
-            # Only the assertion's author may retract: the retraction's author is the relationship's.
-            await conn.executemany(
-                "insert into retractions (id, relationship_id, author_id, created_at) "
-                "select $1, r.id, r.author_id, $3 from relationships r where r.id = $2", retractions)
-            await conn.execute("delete from active_relationships where relationship_id = any($1::uuid[])",
-                               [x[1] for x in retractions])
-        if relationships:
-            # The index of active assertions after this segment: its assertions not retracted by now
-            # (built once per segment, so a retract-then-assert-again inside it cannot collide).
-            await conn.execute(
-                "insert into active_relationships (source_message_id, target_message_id, type, author_id, "
-                "relationship_id) select r.source_message_id, r.target_message_id, r.type, r.author_id, r.id "
-                "from relationships r where r.id = any($1::uuid[]) "
-                "and not exists (select 1 from retractions x where x.relationship_id = r.id)",
-                [r[0] for r in relationships])
-        await self._changes(events)
-        self.counts["conversations"] += len(conversations)
-        self.counts["messages"] += len(messages)
-        self.counts["relationships"] += len(relationships)
-        self.counts["retractions"] += len(retractions)
-
-    async def _changes(self, events: list[tuple[int, dict[str, Any]]]) -> None:
-        columns: list[list[Any]] = [[] for _ in range(9)]
-        for sequence, envelope in events:
-            data, kind = envelope["data"], envelope["type"]
-            message_id = relationship_id = retraction_id = None
-            if kind == rep.CONVERSATION_CREATED:
-                conversation_id, author_id = data["conversation"]["id"], data["conversation"]["author"]["agent_id"]
-                message_id = data["message"]["id"]
-            elif kind == rep.MESSAGE_APPENDED:
-                conversation_id, author_id = data["message"]["conversation_id"], data["message"]["author"]["agent_id"]
-                message_id = data["message"]["id"]
-            elif kind == rep.RELATIONSHIP_ASSERTED:
-                relationship_id, conversation_id = data["relationship"]["id"], None
-                author_id = data["relationship"]["author"]["agent_id"]
-            elif kind == rep.RELATIONSHIP_RETRACTED:
-                retraction_id, conversation_id, author_id = data["retraction"]["id"], None, None
-            else:
-                raise RestoreRefused(f"archived change {sequence} has an unknown type")
-            restamped = {**envelope, "lineage": self.lineage}
-            for column, value in zip(columns, (sequence, kind, envelope["partition"], conversation_id, author_id,
-                                               message_id, relationship_id, retraction_id,
-                                               rep.dumps(restamped).decode()), strict=True):
-                column.append(value)
-            self.last_sequence = sequence
-        # An assertion's conversation is its source message's; a retraction's conversation and
-        # author are its assertion's: looked up from the rows just written, in the same statement.
-        await self.conn.execute(
-            "insert into changes (sequence, type, partition, conversation_id, author_id, message_id, "
-            "relationship_id, retraction_id, occurred_at, event) "
-            "select e.sequence, e.type, e.partition,"
-            " coalesce(e.conversation_id, m.conversation_id, rm.conversation_id),"
-            " coalesce(e.author_id, rr.author_id), e.message_id, e.relationship_id, e.retraction_id,"
-            " (e.event::json ->> 'occurred_at')::timestamptz, e.event"
-            " from unnest($1::bigint[], $2::text[], $3::smallint[], $4::uuid[], $5::uuid[], $6::uuid[], $7::uuid[],"
-            " $8::uuid[], $9::text[]) as e(sequence, type, partition, conversation_id, author_id, message_id,"
-            " relationship_id, retraction_id, event)"
-            " left join relationships r on r.id = e.relationship_id left join messages m on m.id = r.source_message_id"
-            " left join retractions x on x.id = e.retraction_id left join relationships rr on rr.id = x.relationship_id"
-            " left join messages rm on rm.id = rr.source_message_id"
-            " order by e.sequence", *columns)
-        self.counts["changes"] += len(events)
 
 
 async def _apply_private(conn: Any, walk: PrivateWalk, kind: type[AgentRecord | OperationRecord]) -> int:
@@ -273,9 +156,16 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
         operation_records = await _apply_private(conn, private, OperationRecord)
         if private.findings:
             raise RestoreRefused("the private stream does not verify", private.findings)
-        loader = _Loader(conn, str(corpus_id), str(new_lineage))
-        async for segment in walk.segments():
-            await loader.segment([(e.sequence, orjson.loads(e.body)) for e in segment.events])
+        loader = HistoryLoader(conn, str(corpus_id), str(new_lineage))
+        try:
+            async for segment in walk.segments():
+                await loader.segment([(e.sequence, orjson.loads(e.body)) for e in segment.events])
+        except LoadRefused as e:
+            raise RestoreRefused(str(e)) from None
+        except asyncpg.IntegrityConstraintViolationError as e:
+            # An event naming an agent the register lacks, say: the archive is not a whole corpus.
+            raise RestoreRefused(f"the archived history does not fit together ({type(e).__name__}: "
+                                 f"{getattr(e, 'constraint_name', None) or 'constraint'})") from None
         walk.finish()
         if walk.findings or walk.summary.segments_checked == 0:
             raise RestoreRefused("the archive does not verify" if walk.findings else "the archive has no segment",
