@@ -9,13 +9,17 @@ checkpoints to extend) and the manifest. :func:`raw_store` is the obstore handle
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
 from obstore.store import LocalStore, S3Store
 
-from actors.archiver import PRIVATE_EXTENSION
+from actors.archiver import PRIVATE_EXTENSION, Archiver, SealPolicy
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.db import Target, connection
@@ -37,6 +41,7 @@ from protocol.archive_private import AgentRecord, OperationRecord, PrivateRecord
 from protocol.checkpoint import Checkpoint, SignerKey, generate_signer_key, sign_checkpoint
 from protocol.manifest import encode_manifest, manifest_of
 from protocol.merkle import CompactTree
+from tests.corpus_fixtures import Stack
 
 
 @dataclass
@@ -101,6 +106,35 @@ async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int 
             note = sign_checkpoint(Checkpoint(key.name, private_tree.size, private_tree.root(), (PRIVATE_EXTENSION,)), key)
             await store.put(private_checkpoint_key(lineage, private_tree.size), note.encode())
     return Archived(lineage, corpus_id, key, segments, tree.root(), tree.size)
+
+
+@contextlib.asynccontextmanager
+async def archiving(stack: Stack, store: ArchiveStore, signer: SignerKey | None = None) -> AsyncIterator[Archiver]:
+    """The real archiver actor on the stack's bus and database, sealing small segments, for the block."""
+    signer = signer or generate_signer_key(archive_origin(stack.identity.corpus_id))
+    archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store, signer=signer,
+                        node_id="recovery-test", policy=SealPolicy(events=4, seconds=0.1), sweep_interval=0.1)
+    await archiver.start()
+    try:
+        yield archiver
+    finally:
+        await archiver.stop(grace=5)
+
+
+async def archiver_caught_up(stack: Stack, timeout: float = 60) -> None:
+    """Poll (with a deadline) until both streams are published through their heads."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = await stack.db.pool.fetchrow(
+            "select (select published_through from archive_watermarks where stream = 0) = "
+            "(select max(sequence) from changes) as public, "
+            "(select published_through from archive_watermarks where stream = 1) = "
+            "(select coalesce(max(sequence), 0) from archive_private_records) "
+            "and not exists (select 1 from archive_private_pending) as private")
+        if row["public"] and row["private"]:
+            return
+        assert time.monotonic() < deadline, "the archiver did not catch up"
+        await asyncio.sleep(0.05)
 
 
 def raw_store(store: ArchiveStore) -> LocalStore | S3Store:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,17 +23,14 @@ import obstore
 import orjson
 import pytest
 
-from actors.archiver import Archiver, SealPolicy
 from actors.recovery.restore import RestoreRefused, restore_archive
 from actors.recovery.verify import verify_archive
 from actors.recovery.walk import StoreSource
-from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.db import Database, apply_migrations
 from protocol.archive import Stream, event_body, segment_key
-from protocol.checkpoint import generate_signer_key
 from protocol.merkle import leaf_hash, tree_root
-from tests.archive_fixtures import Archived, archive_database, raw_store
+from tests.archive_fixtures import Archived, archive_database, archiver_caught_up, archiving, raw_store
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
 from tests.db_fixtures import fresh_database
 from tests.s3_server import S3Server
@@ -196,29 +192,6 @@ async def _check_restored(restored: Stack, original: Original, archived: Parent,
     assert await restored.db.pool.fetchval("select sequence from publisher_cursor") == original.head
 
 
-async def _archived_by_the_archiver(stack: Stack, store: ArchiveStore) -> None:
-    """Run the archiver actor until both streams are published through their heads."""
-    signer = generate_signer_key(archive_origin(stack.identity.corpus_id))
-    archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store, signer=signer,
-                        node_id="restore-test", policy=SealPolicy(events=4, seconds=0.1), sweep_interval=0.1)
-    await archiver.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            row = await stack.db.pool.fetchrow(
-                "select (select published_through from archive_watermarks where stream = 0) = "
-                "(select max(sequence) from changes) as public, "
-                "(select published_through from archive_watermarks where stream = 1) = "
-                "(select coalesce(max(sequence), 0) from archive_private_records) "
-                "and not exists (select 1 from archive_private_pending) as private")
-            if row["public"] and row["private"]:
-                return
-            assert time.monotonic() < deadline, "the archiver did not catch up"
-            await asyncio.sleep(0.05)  # polling the watermarks, with the deadline above
-    finally:
-        await archiver.stop(grace=5)
-
-
 async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
     """Load, archive with the real archiver, verify, restore: the same corpus under a fresh lineage."""
     amqp_url, server = stack_backends
@@ -227,7 +200,8 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
     async with fresh_database(server) as source_dsn:
         async with running_stack(source_dsn, amqp_url, STACK_ENV) as stack:
             await _write_history(stack, original)
-            await _archived_by_the_archiver(stack, store)
+            async with archiving(stack, store):
+                await archiver_caught_up(stack)
             verified = await verify_archive(StoreSource(store), stack.identity.lineage, db=stack.db)
             assert verified.ok, verified.to_json()
             assert verified.private is not None and verified.private["records_checked"] > 0

@@ -1,0 +1,127 @@
+"""``mirror``: a read-only copy built from a node's archive (written by the real archiver actor) and
+followed live through the node's ``changes.jsonl`` over real HTTP, on both backend pairs.
+
+The mirror must reach the node's signed root, keep following (new writes appear at once as the
+unverified tail, then are verified when archived), serve the same ``snapshot.jsonl``, accept no
+credential, and refuse an archive signed by a key other than the pinned one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from actors.recovery.mirror import Mirror, MirrorError
+from actors.recovery.walk import StoreSource
+from actors.web.app import make_app
+from infra.archive_keys import archive_origin
+from infra.archive_store import ArchiveStore
+from infra.bus import make_bus
+from infra.db import Database, apply_migrations, read_identity
+from protocol.checkpoint import generate_signer_key
+from tests.archive_fixtures import archiver_caught_up, archiving
+from tests.corpus_fixtures import STACK_ENV, Stack, running_stack
+from tests.db_fixtures import fresh_database
+from tests.webclient import serve, test_node
+
+WAIT = 60.0
+
+
+async def _until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not await condition():  # type: ignore[misc]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def _mirror_db(server: str) -> AsyncIterator[Database]:
+    async with fresh_database(server) as dsn:
+        db = await Database.connect(dsn, min_size=1, max_size=4)
+        try:
+            await apply_migrations(db)
+            yield db
+        finally:
+            await db.close()
+
+
+async def _snapshot(client: object, path: str = "/corpus/snapshot.jsonl") -> bytes:
+    resp = await client.get(path)  # type: ignore[attr-defined]
+    assert resp.status == 200, await resp.text()
+    return await resp.read()  # type: ignore[no-any-return]
+
+
+async def _node_root(stack: Stack) -> tuple[int, bytes]:
+    row = await stack.db.pool.fetchrow("select tree_size, root from archive_checkpoints where stream = 0 "
+                                       "order by tree_size desc limit 1")
+    return row["tree_size"], bytes(row["root"])
+
+
+async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
+        stack_backends: tuple[str | None, str], tmp_path: object) -> None:
+    amqp_url, server = stack_backends
+    store = ArchiveStore.local(tmp_path / "archive")  # type: ignore[operator]
+    async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
+            _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
+        signer = generate_signer_key(archive_origin(node.identity.corpus_id))
+        alice = await node.register("alice-mirrored")
+        bob = await node.register("bob-mirrored")
+        first = await node.conversation(alice, "mirrored", content="hello @bob-mirrored #mirror")
+        cid = first["conversation"]["id"]
+        for n in range(9):
+            await node.message(bob if n % 2 else alice, cid, content=f"reply {n}")
+        base = str(node.client.make_url("")).rstrip("/")
+        async with archiving(node, store, signer):
+            await archiver_caught_up(node)
+            mirror = Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=signer.verifier(),
+                            node_url=base, session=session)
+            stop = asyncio.Event()
+            task = asyncio.create_task(mirror.run(stop, poll_interval=0.1))
+            try:
+                size, root = await _node_root(node)
+
+                async def reached() -> bool:
+                    return mirror.state is not None and mirror.state.tree.size == size
+
+                await _until(reached, "the mirror to verify the node's archive")
+                assert mirror.state is not None and mirror.state.tree.root() == root
+                # Following live: a new write is in the mirror as soon as the node serves it...
+                later = await node.message(alice, cid, content="written after the mirror started")
+                sequence = later["message"]["sequence"]
+
+                async def applied() -> bool:
+                    return mirror.state is not None and mirror.state.applied_through >= sequence
+
+                await _until(applied, "the mirror to apply the live tail")
+                # ...and verified once archived: the mirror's root is again the node's newest.
+                await archiver_caught_up(node)
+                size, root = await _node_root(node)
+                await _until(reached, "the mirror to verify the newly archived segment")
+                assert mirror.state.tree.root() == root
+                assert mirror.state.verified_through == sequence
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, WAIT)
+        # The mirror serves the same state; nobody can write on it.
+        identity = await read_identity(mirror_db)
+        assert identity == node.identity
+        bus = make_bus(None)
+        await bus.connect()
+        try:
+            async with serve(make_app(test_node(mirror_db, bus, STACK_ENV, identity=identity))) as client:
+                assert await _snapshot(client) == await _snapshot(node.client)
+                resp = await client.get("/me", headers=alice.headers())
+                assert resp.status == 401
+        finally:
+            await bus.close()
+        # Resuming is a no-op round; a different pinned key is refused.
+        assert not await Mirror(StoreSource(store), node.identity.lineage, mirror_db,
+                                trusted=signer.verifier()).archive_round()
+        stranger = generate_signer_key(signer.name).verifier()
+        with pytest.raises(MirrorError):
+            await Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=stranger).archive_round()
