@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 
 from actors.recovery.mirror import Mirror, MirrorError
@@ -24,7 +28,7 @@ from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
 from infra.db import Database, apply_migrations, read_identity
 from protocol.checkpoint import generate_signer_key
-from tests.archive_fixtures import archiver_caught_up, archiving
+from tests.archive_fixtures import archive_database, archiver_caught_up, archiving
 from tests.corpus_fixtures import STACK_ENV, Stack, running_stack
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
@@ -63,9 +67,9 @@ async def _node_root(stack: Stack) -> tuple[int, bytes]:
 
 
 async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
-        stack_backends: tuple[str | None, str], tmp_path: object) -> None:
+        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
     amqp_url, server = stack_backends
-    store = ArchiveStore.local(tmp_path / "archive")  # type: ignore[operator]
+    store = ArchiveStore.local(tmp_path / "archive")
     async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
             _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
         signer = generate_signer_key(archive_origin(node.identity.corpus_id))
@@ -125,3 +129,38 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
         stranger = generate_signer_key(signer.name).verifier()
         with pytest.raises(MirrorError):
             await Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=stranger).archive_round()
+
+
+async def _cli(env: dict[str, str], *args: str) -> tuple[int, bytes, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "toastmachine.cli", *args, env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out, err
+
+
+async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -> None:
+    """``toastmachine mirror --from DIR --public-key KEY --once``: the archive's root; a stranger key: exit 1."""
+    from toastmachine.seed import seed_corpus
+
+    source = await Database.connect(database_url, min_size=1, max_size=2)
+    try:
+        await apply_migrations(source)
+        await seed_corpus(source, messages=10, agents=2, random_seed=11)
+        archived = await archive_database(source, ArchiveStore.local(tmp_path / "archive"))
+    finally:
+        await source.close()
+    async with fresh_database(database_url) as dsn:
+        env = {"TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data")}
+        key = archived.key.verifier().text()
+        for _ in range(2):  # building, then resuming
+            code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", key,
+                                        "--once")
+            assert code == 0, err
+            report = orjson.loads(out)
+            assert report["tree_size"] == archived.size and report["root"] == archived.root.hex()
+        stranger = generate_signer_key(archived.key.name).verifier().text()
+        code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", stranger,
+                                    "--once")
+        assert code == 1 and b"not_signed_by_key" in err

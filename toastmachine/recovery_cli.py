@@ -160,6 +160,64 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# --- mirror ----------------------------------------------------------------------------------------
+
+
+def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
+    """Build a read-only copy of a node's history from its archive (verified against a pinned key), then follow it."""
+    import signal
+
+    import aiohttp
+
+    from actors.recovery.mirror import Mirror, NodeArchiveSource
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from toastmachine.node import open_database
+
+    trusted = pinned_key(args.public_key)
+    assert trusted is not None  # required by the parser
+    node_url = args.source if args.source.startswith(("http://", "https://")) else None
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            source: Any
+            if node_url is not None and args.archive is None:
+                source = NodeArchiveSource(session, node_url)
+            else:
+                source = StoreSource(open_store(settings, args.archive or args.source))
+            if args.lineage is not None:
+                lineage = args.lineage
+            elif node_url is not None:
+                lineage = await NodeArchiveSource(session, node_url).lineage()
+            else:
+                found = await archived_lineages(source.store)
+                if len(found) != 1:
+                    raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
+                lineage = found[0]
+            async with open_database(settings) as (db, _embedded, _label):
+                mirror = Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session)
+                if args.once:
+                    await mirror.archive_round()
+                    while await mirror.tail_round():
+                        pass
+                    return mirror.report()
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await mirror.run(stop, poll_interval=args.poll)
+                return mirror.report()
+
+    from actors.recovery.mirror import MirrorError
+
+    try:
+        report = asyncio.run(go())
+    except MirrorError as e:
+        print(f"toastmachine: mirror stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    _print_json(report)
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     """Add ``archive verify|restore`` and ``mirror`` to the CLI's subcommands.
 
@@ -195,3 +253,17 @@ def add_commands(sub: Any) -> None:
                          help="publish the restored history to RabbitMQ again (default: the publisher starts "
                               "after it)")
     restore.set_defaults(func=cmd_archive_restore)
+    mirror = sub.add_parser("mirror", help=cmd_mirror.__doc__)
+    mirror.add_argument("--from", dest="source", metavar="URL", required=True,
+                        help="the node (https://node/: its archive routes and changes.jsonl) or an archive store "
+                             "(directory, file:// or s3://bucket/prefix: the archive alone)")
+    mirror.add_argument("--public-key", metavar="KEY", required=True,
+                        help="the node's checkpoint verifier key, pinned out of band (or a file holding it)")
+    mirror.add_argument("--archive", metavar="URL", default=None,
+                        help="read the node's archive from this store instead of its routes")
+    mirror.add_argument("--lineage", type=_lineage, default=None,
+                        help="the lineage to mirror (default: the node's, else the store's only one)")
+    mirror.add_argument("--once", action="store_true", help="catch up once and exit instead of following")
+    mirror.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+                        help="pause between rounds when there is nothing new (default 1)")
+    mirror.set_defaults(func=cmd_mirror)

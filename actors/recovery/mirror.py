@@ -272,6 +272,7 @@ class Mirror:
             if checkpoint.size == state.tree.size:
                 if state.checkpoint_root is not None and checkpoint.root != state.checkpoint_root:
                     raise MirrorFork("a checkpoint of the same size with another root: the history forked")
+                self.state = state  # nothing new: the committed state as it stands
                 return False
             loader = HistoryLoader(conn, str(corpus_id), str(self.lineage))
             tree = state.tree.copy()
