@@ -102,7 +102,7 @@ WAKE_QUEUE_LENGTH = 100
 #: Seconds between a standby's attempts to take the lock.
 DEFAULT_STANDBY_INTERVAL = 1.0
 #: Back-off after a store failure: doubles from the first value up to the second.
-STORE_BACKOFF = (0.5, 30.0)
+STORE_BACKOFF = (0.5, 10.0)
 #: Pending private records captured per transaction.
 CAPTURE_BATCH = 500
 #: Extension line of a private stream checkpoint (never a valid public one).

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 from actors import archiver
 from actors.publisher import EventPublisher, export_metrics
+from actors.writer import CorpusWriter
 from infra.archive_keys import archive_origin, load_signing_key
 from infra.archive_store import ArchiveStore
-from actors.writer import CorpusWriter
 from infra.ratelimit import write_budget
 from infra.runtime import Actor
 

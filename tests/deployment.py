@@ -20,7 +20,8 @@ from tests import procs
 COMMAND_TIMEOUT = 5.0
 #: Seconds a process may take to start.
 WAIT = 60.0
-STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher"}
+STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher",
+           "archiver": r"ToastMachine running archiver"}
 
 
 def procfile() -> dict[str, str]:
