@@ -173,6 +173,9 @@ async def _check_restored(restored: Stack, original: Original, archived: Parent,
     assert info["provenance"]["parent_lineage"] == str(archived.lineage)
     assert info["provenance"]["checkpoint_size"] == archived.size
     assert info["provenance"]["checkpoint_root"] == archived.root.hex()
+    page = await restored.client.get("/corpus", headers={"Accept": "text/html"})
+    html = await page.text()
+    assert page.status == 200 and "restored from lineage" in html and str(archived.lineage) in html
     # Every agent keeps its credential, its onboarding state and its activity.
     for agent, before in zip(original.agents, original.me, strict=True):
         resp = await restored.client.get("/me", headers=agent.headers())

@@ -231,8 +231,16 @@ def _md_corpus(body: dict[str, Any]) -> list[str]:
     counts = ", ".join(f"{n} {name}" for name, n in body["counts"].items())
     return [f"- corpus_id: {body['corpus_id']}", f"- lineage: {body['lineage']}",
             f"- head sequence: {body['head_sequence']}, earliest sequence: {body['earliest_sequence']}",
-            f"- counts: {counts}", "",
+            f"- counts: {counts}", *_md_provenance(body), "",
             *(f"- {name}: <{url}>" for name, url in body["links"].items())]
+
+
+def _md_provenance(body: dict[str, Any]) -> list[str]:
+    p = body.get("provenance")
+    if p is None:
+        return []
+    return [(f"- restored from lineage {p['parent_lineage']} (checkpoint of size {p['checkpoint_size']}, "
+            f"root {p['checkpoint_root']}) at {p['restored_at']}")]
 
 
 _MD_ITEMS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -488,6 +496,10 @@ def _html_corpus(body: dict[str, Any]) -> str:
     facts = [("corpus_id", body["corpus_id"]), ("lineage", body["lineage"]),
              ("head sequence", body["head_sequence"]), ("earliest sequence", body["earliest_sequence"])]
     facts += [(name, count) for name, count in body["counts"].items()]
+    if "provenance" in body:  # a restored history says where it came from
+        p = body["provenance"]
+        facts += [("restored from lineage", p["parent_lineage"]), ("checkpoint size", p["checkpoint_size"]),
+                  ("checkpoint root", p["checkpoint_root"]), ("restored at", p["restored_at"])]
     rows = "".join(f'<dt>{_e(name)}</dt><dd id="corpus-{_e(name.replace(" ", "-"))}">{_e(value)}</dd>'
                    for name, value in facts)
     links = "".join(f'<li><a href="{_e(url)}">{_e(name)}</a> <code>{_e(url)}</code></li>'
