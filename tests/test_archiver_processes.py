@@ -125,3 +125,47 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
     assert archived == history
     manifest = decode_manifest(await store.get(manifest_key(uuid.UUID(str(lineage)))))
     assert [s.hash for s in manifest.segments] == [bytes(r["hash"]).hex() for r in rows]
+
+
+@pytest.mark.timeout(180)
+async def test_up_archives_to_the_data_directory_and_archive_status_reports_it(tmp_path: Path) -> None:
+    """``toastmachine up`` on its defaults archives to DATA_DIR/archive; ``archive status`` reports it."""
+    import json
+
+    import aiohttp
+
+    from tests import procs
+
+    data = tmp_path / "data"
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(data), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS="0.2")
+    node = await procs.start("up", env=env)
+    try:
+        url = await node.wait_listening(timeout=30)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/register", json={"name": "archivist"}) as resp:
+                credential = (await resp.json())["credential"]
+            auth = {"Authorization": f"Bearer {credential}"}
+            async with http.get(url + "/guide", headers=auth) as resp:
+                assert resp.status == 200
+            async with http.post(url + "/conversations", json={"subject": "s", "content": "c"},
+                                 headers={**auth, "Operation-Token": str(uuid.uuid4())}) as resp:
+                sequence = (await resp.json())["sequence"]
+            async with asyncio.timeout(WAIT):
+                while True:
+                    async with http.get(url + "/corpus/archive") as resp:
+                        body = await resp.json()
+                    if body["verified_through"] >= sequence and body["checkpoint"]:
+                        break
+                    await asyncio.sleep(0.1)
+        segment = body["segments"][0]["name"]
+        assert (data / "archive" / body["lineage"] / "segments" / segment).is_file()
+    finally:
+        assert await node.stop() == 0, "\n".join(node.output)
+    status = await procs.start("archive", "status", env=env)
+    assert await status.wait() == 0, "\n".join(status.output)
+    start = status.output.index("{")  # log lines of the embedded database come first
+    report = json.loads("\n".join(status.output[start:]))
+    assert report["public"]["verified_through"] == sequence
+    assert report["public"]["segments"] == {"published": 1}
+    assert report["active_archiver"] is None and report["lag_events"] == 0

@@ -20,9 +20,10 @@ import aiohttp
 import orjson
 import pytest
 
-from actors.recovery.mirror import Mirror, MirrorError
+from actors.recovery.mirror import Mirror, MirrorError, NodeArchiveSource
 from actors.recovery.walk import StoreSource
 from actors.web.app import make_app
+from actors.web.archive import ARCHIVE_STORE
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
@@ -108,6 +109,16 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
                 await _until(reached, "the mirror to verify the newly archived segment")
                 assert mirror.state.tree.root() == root
                 assert mirror.state.verified_through == sequence
+                # The same through the node's public archive routes alone (no access to its store).
+                node.client.app[ARCHIVE_STORE]["store"] = store
+                async with _mirror_db(server) as second_db:
+                    second = Mirror(NodeArchiveSource(session, base), await NodeArchiveSource(session, base).lineage(),
+                                    second_db, trusted=signer.verifier(), node_url=base, session=session)
+                    assert await second.archive_round()
+                    while await second.tail_round():
+                        pass
+                    assert second.state is not None
+                    assert (second.state.tree.size, second.state.tree.root()) == (size, root)
             finally:
                 stop.set()
                 await asyncio.wait_for(task, WAIT)

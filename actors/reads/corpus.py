@@ -15,6 +15,7 @@ from protocol import representations as rep
 CHANGES_PATH = "/corpus/changes.jsonl"
 SNAPSHOT_PATH = "/corpus/snapshot.jsonl"
 STREAM_PATH = "/corpus/stream"
+ARCHIVE_PATH = "/corpus/archive"
 
 # Counts from the read models where they are exact (they commit with the changes they count): every
 # message is counted in its author's agent_activity, every conversation has one
@@ -27,7 +28,9 @@ CORPUS_INFO_SQL = (
     " (select count(*) from retractions) as retractions)"
     " select (select coalesce(max(sequence), 0) from changes) as head,"
     " (select coalesce(min(sequence), 0) from changes) as earliest,"
-    " agents, conversations, messages, relationships, messages + relationships + retractions as changes"
+    " agents, conversations, messages, relationships, messages + relationships + retractions as changes,"
+    " (select archived_through from archive_watermarks where stream = 0) as archived_through,"
+    " (select verified_through from archive_watermarks where stream = 0) as verified_through"
     " from counts")
 
 
@@ -44,7 +47,8 @@ async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> 
         "corpus_id": corpus_id, "lineage": lineage,
         "head_sequence": row["head"], "earliest_sequence": row["earliest"],
         "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
-        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
+        "archive": {"archived_through": row["archived_through"] or 0, "verified_through": row["verified_through"] or 0},
+        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH, "archive": ARCHIVE_PATH},
     }
     provenance = await pool.fetchrow(PROVENANCE_SQL)
     if provenance is not None:

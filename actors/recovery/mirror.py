@@ -142,16 +142,12 @@ class NodeArchiveSource:
     async def get(self, key: str, *, max_bytes: int) -> bytes:
         lineage, _, rest = key.partition("/")
         if rest == "manifest.json":
-            index = await self.index(fresh=True)
-            segments = tuple(ManifestSegment(s["index"], s["first_sequence"], s["last_sequence"], s["event_count"],
-                                             s["size"], s["hash"]) for s in index["segments"]
-                             if s.get("state", "published") == "published")
-            try:
-                return encode_manifest(ManifestValue(uuid.UUID(lineage), None, segments))
-            except ManifestError as e:
-                raise ArchiveStoreError(f"{self.description}: the archive listing is not a manifest: {e}") from None
+            return await self._manifest(uuid.UUID(lineage))
         if rest == "public-key.txt":
-            return str((await self.index())["public_key"]).encode()
+            public = (await self.index())["public_key"]
+            if not public:
+                raise ObjectNotFound(f"{self.description} has published no public key yet")
+            return str(public).encode()
         parsed = parse_segment_key(key)
         if parsed is not None and parsed.stream is Stream.PUBLIC:
             name = segment_name(parsed.index, parsed.first_sequence, parsed.last_sequence)
@@ -159,6 +155,28 @@ class NodeArchiveSource:
         if rest.startswith("checkpoints/") and rest[len("checkpoints/"):].isdigit():
             return await self._fetch(f"/corpus/archive/checkpoints/{int(rest[len('checkpoints/'):])}", max_bytes)
         raise ObjectNotFound(f"{self.description} serves no {key}")
+
+    async def _manifest(self, lineage: uuid.UUID) -> bytes:
+        """The manifest rebuilt from ``GET /corpus/archive``: its published segments, from index 0.
+
+        The node lists its most recent segments only; when it holds more than it lists, the
+        manifest cannot be rebuilt from it, and the archive must be read from the store (``--archive``).
+        """
+        index = await self.index(fresh=True)
+        listed = index["segments"]
+        if index["segment_count"] > len(listed):
+            raise ArchiveStoreError(f"{self.description} lists {len(listed)} of its {index['segment_count']} "
+                                    "segments; read the archive from its store instead (--archive URL)")
+        segments = []
+        for s in listed:
+            if s["state"] != "published":
+                break  # published segments are a prefix; the checkpoint covers exactly them
+            segments.append(ManifestSegment(s["index"], s["first_sequence"], s["last_sequence"], s["event_count"],
+                                            s["size"], s["hash"]))
+        try:
+            return encode_manifest(ManifestValue(lineage, None, tuple(segments)))
+        except ManifestError as e:
+            raise ArchiveStoreError(f"{self.description}: the archive listing is not a manifest: {e}") from None
 
     async def keys(self, prefix: str) -> list[str] | None:
         return None  # a node does not list its bucket
