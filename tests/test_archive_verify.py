@@ -260,3 +260,15 @@ async def test_the_cli_exits_zero_when_clean_and_one_on_a_discrepancy(
         assert code == 1 and report["findings"][0]["kind"] == "nothing_verified"
     finally:
         await db.close()
+
+
+async def test_the_private_stream_is_verified_too(db: Database, store: ArchiveStore) -> None:
+    archived = await _archived(db, store)
+    report = await _verify(db, store, archived)
+    assert report.ok and report.private is not None and report.private["records_checked"] >= 3
+    key = min([o.key async for o in store.list(f"{archived.lineage}/private/segments")])
+    offset = HEADER_SIZE + 12 + 3
+    await _rewrite(store, key, lambda d: d[:offset] + bytes([d[offset] ^ 0x01]) + d[offset + 1:])
+    report = await _verify(db, store, archived)
+    found = [f for f in report.findings if f.kind == "crc_mismatch"]
+    assert found and found[0].key == key and found[0].index == 0, report.to_json()
