@@ -125,9 +125,11 @@ async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpo
     signer = signer_for(stack)
     sequences = await write_messages(stack, 7)
     lineage = stack.identity.lineage
-    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), signer=signer):
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), signer=signer) as archiver:
         segs = await published(stack, 2)
-        await asyncio.sleep(0)  # nothing else may be sealed: the 7th event waits for two more
+        # The 7th event waits for two more (or an hour): the archiver went idle without sealing it.
+        await until(lambda: asyncio.sleep(0, archiver.lag_events == 1), what="the lag to be measured")
+        assert len(await segments(stack)) == 2
         assert [(s["first_sequence"], s["last_sequence"], s["event_count"]) for s in segs] == [
             (sequences[0], sequences[2], 3), (sequences[3], sequences[5], 3)]
     decoded = await read_archive(store, lineage)
