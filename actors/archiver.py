@@ -22,8 +22,8 @@ agent register entries, :mod:`protocol.archive_private`):
    encodes the same bytes again.
 3. **Write**: encode (:func:`protocol.archive.encode_segment`) and put create-only; an existing
    identical object counts as written, a different one is a :class:`~infra.archive_store.ForkAlarm`
-   that stops the archiver loudly (it crashes; the supervisor's back-off keeps it stopped-ish and
-   every restart reports it again). The row moves to ``written`` with size, hash, root and the Merkle
+   that stops the archiver loudly: it crashes, and every restart the supervisor makes (with its
+   growing back-off) meets the same object and reports it again, until an operator acts. The row moves to ``written`` with size, hash, root and the Merkle
    frontier after it.
 4. **Verify**: read the object back, decode it completely against the expected link, lineage, index
    and stream, and compare its hash with the row's: only then ``verified``.
@@ -105,6 +105,8 @@ DEFAULT_STANDBY_INTERVAL = 1.0
 STORE_BACKOFF = (0.5, 10.0)
 #: Pending private records captured per transaction.
 CAPTURE_BATCH = 500
+#: Seconds between two counts of the archive's lag.
+MEASURE_INTERVAL = 1.0
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
 
@@ -365,6 +367,8 @@ class Archiver(Actor):
         self.activations += 1
         self.log.info("archiver.active", store=self.store.description)
         backoff = STORE_BACKOFF[0]
+        loop = asyncio.get_running_loop()
+        next_measure = loop.time()
         while not self._stop_requested.is_set():
             self._wake.clear()
             try:
@@ -379,7 +383,10 @@ class Archiver(Actor):
                 busy = False
                 for stream in (Stream.PUBLIC, Stream.PRIVATE):
                     busy |= await guarded(session, self._round(session, stream))
-                await guarded(session, self._measure(session))
+                if loop.time() >= next_measure:
+                    # Counting the lag costs a scan of up to 100,000 index entries: once a second is plenty.
+                    await guarded(session, self._measure(session))
+                    next_measure = loop.time() + MEASURE_INTERVAL
             except (ForkAlarm, CreateOnlyIgnored):
                 raise
             except ArchiveStoreError as e:

@@ -125,9 +125,11 @@ async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpo
     signer = signer_for(stack)
     sequences = await write_messages(stack, 7)
     lineage = stack.identity.lineage
-    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), signer=signer):
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), signer=signer) as archiver:
         segs = await published(stack, 2)
-        await asyncio.sleep(0)  # nothing else may be sealed: the 7th event waits for two more
+        # The 7th event waits for two more (or an hour): the archiver went idle without sealing it.
+        await until(lambda: asyncio.sleep(0, archiver.lag_events == 1), what="the lag to be measured")
+        assert len(await segments(stack)) == 2
         assert [(s["first_sequence"], s["last_sequence"], s["event_count"]) for s in segs] == [
             (sequences[0], sequences[2], 3), (sequences[3], sequences[5], 3)]
     decoded = await read_archive(store, lineage)
@@ -304,3 +306,20 @@ async def test_an_unreachable_store_holds_verification_back_and_the_archiver_cat
                 decoded = await read_archive(store, stack.identity.lineage)
         assert [e.sequence for s in decoded for e in s.events][:2] == sequences
         assert len(decoded) == len(segs) == 3
+
+
+async def test_a_fork_alarm_stops_the_archiver_loudly(stack: Stack, tmp_path: Path) -> None:
+    """Another history's bytes already under the name of segment 0: the archiver crashes with the
+    fork alarm instead of marking anything written, and the object is left as it was."""
+    from infra.archive_store import ForkAlarm
+    from protocol.archive import segment_key
+
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 2)
+    key = segment_key(stack.identity.lineage, 0, sequences[0], sequences[1])
+    await store.put(key, b"another history's segment")
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)) as archiver:
+        error = await asyncio.wait_for(archiver.crashed(), WAIT)
+    assert isinstance(error, ForkAlarm)
+    assert [s["state"] for s in await segments(stack)] == ["sealed"]
+    assert await store.get(key) == b"another history's segment"

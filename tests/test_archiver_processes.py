@@ -158,6 +158,9 @@ async def test_up_archives_to_the_data_directory_and_archive_status_reports_it(t
                     if body["verified_through"] >= sequence and body["checkpoint"]:
                         break
                     await asyncio.sleep(0.1)
+            async with http.get(url + "/metrics") as resp:
+                metrics = await resp.text()
+            assert "toastmachine_archive_lag_events" in metrics and "toastmachine_archiver_active 1.0" in metrics
         segment = body["segments"][0]["name"]
         assert (data / "archive" / body["lineage"] / "segments" / segment).is_file()
     finally:
