@@ -69,18 +69,17 @@ class HistoryLoader:
                 retractions.append((x["id"], x["relationship_id"], _time(x["created_at"])))
         conn = self.conn
         if conversations:
-            await conn.executemany("insert into conversations (id, subject, author_id, root_message_id, partition, "
-                                   "created_at) values ($1, $2, $3, $4, $5, $6)", conversations)
+            # COPY, like the seeder: one round trip per table and segment (foreign keys are checked
+            # at the end of the statement, so a reply may follow its parent within the same COPY).
+            await conn.copy_records_to_table("conversations", records=conversations, columns=(
+                "id", "subject", "author_id", "root_message_id", "partition", "created_at"))
         if messages:
-            # In sequence order: a reply's parent is inserted before it.
-            await conn.executemany(
-                "insert into messages (id, conversation_id, author_id, kinds, content, payload, schema_name, "
-                "schema_version, reply_to, tags, mention_ids, created_at) "
-                "values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)", messages)
+            await conn.copy_records_to_table("messages", records=messages, columns=(
+                "id", "conversation_id", "author_id", "kinds", "content", "payload", "schema_name", "schema_version",
+                "reply_to", "tags", "mention_ids", "created_at"))
         if relationships:
-            await conn.executemany(
-                "insert into relationships (id, type, source_message_id, target_message_id, author_id, partition, "
-                "created_at) values ($1, $2, $3, $4, $5, $6, $7)", relationships)
+            await conn.copy_records_to_table("relationships", records=relationships, columns=(
+                "id", "type", "source_message_id", "target_message_id", "author_id", "partition", "created_at"))
         if retractions:
             # Only the assertion's author may retract: the retraction's author is the relationship's.
             await conn.executemany(
