@@ -298,12 +298,13 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     await get("/corpus/changes.jsonl")
     await get("/corpus/changes.jsonl?after=1&limit=2")
     await get("/corpus/snapshot.jsonl")
-    for accept in (None, "application/ld+json", "text/markdown", "text/html"):
-        await get("/corpus/archive", accept=accept)
+    await get("/corpus/archive")
+    for media in ("application/ld+json", "text/markdown", "text/html"):
+        await get("/corpus/archive", accept=media)
     archive = orjson.loads(await (await client.get("/corpus/archive")).read())
     segment = f"/corpus/archive/segments/{archive['segments'][0]['name']}"
-    etag = (await get(segment))["ETag"]
-    await get(segment, 304, **{"If-None-Match": etag})
+    segment_etag = (await get(segment))["ETag"]
+    await get(segment, 304, **{"If-None-Match": segment_etag})
     await get(f"/corpus/archive/checkpoints/{archive['tree_size']}")
     await get(f"/corpus/archive/proof?sequence={archive['segments'][0]['first_sequence']}")
     await get(f"/corpus/archive/proof?sequence=1&size={archive['tree_size']}")
