@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import obstore
 import orjson
 import pytest
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
 
 from actors.recovery.restore import RestoreRefused, restore_archive
 from actors.recovery.verify import verify_archive
@@ -173,6 +176,13 @@ async def _check_restored(restored: Stack, original: Original, archived: Parent,
     assert info["provenance"]["parent_lineage"] == str(archived.lineage)
     assert info["provenance"]["checkpoint_size"] == archived.size
     assert info["provenance"]["checkpoint_root"] == archived.root.hex()
+    # The body, provenance included, is what /openapi.json documents.
+    doc = await (await restored.client.get("/openapi.json")).json()
+    registry: Registry[Any] = Registry().with_resource("urn:openapi", Resource.from_contents(
+        doc, default_specification=DRAFT202012))
+    errors = list(jsonschema.Draft202012Validator({"$ref": "urn:openapi#/components/schemas/CorpusInfo"},
+                                                  registry=registry).iter_errors(info))
+    assert not errors, [e.message for e in errors]
     page = await restored.client.get("/corpus", headers={"Accept": "text/html"})
     html = await page.text()
     assert page.status == 200 and "restored from lineage" in html and str(archived.lineage) in html
