@@ -229,6 +229,13 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
                 await db.close()
             async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
                 await _check_restored(restored, original, parent, report)
+                # The restored node archives its own lineage, naming the parent, and that verifies.
+                second = ArchiveStore.local(tmp_path / "restored-archive")
+                async with archiving(restored, second):
+                    await archiver_caught_up(restored)
+                again = await verify_archive(StoreSource(second), restored.identity.lineage, db=restored.db)
+                assert again.ok, again.to_json()
+                assert again.archive.parent_lineage == parent.lineage
 
 
 async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
+import asyncpg
+import obstore
 import orjson
 import pytest
 
@@ -29,7 +31,7 @@ from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
 from infra.db import Database, apply_migrations, read_identity
 from protocol.checkpoint import generate_signer_key
-from tests.archive_fixtures import archive_database, archiver_caught_up, archiving
+from tests.archive_fixtures import archive_database, archiver_caught_up, archiving, raw_store
 from tests.corpus_fixtures import STACK_ENV, Stack, running_stack
 from tests.db_fixtures import fresh_database
 from tests.webclient import serve, test_node
@@ -172,6 +174,22 @@ async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -
             report = orjson.loads(out)
             assert report["tree_size"] == archived.size and report["root"] == archived.root.hex()
         stranger = generate_signer_key(archived.key.name).verifier().text()
+        # A tampered segment: refused, and nothing of the round is committed.
+        async with fresh_database(database_url) as other:
+            store = ArchiveStore.local(tmp_path / "archive")
+            last = archived.segment_key(len(archived.segments) - 1)
+            data = await store.get(last)
+            await obstore.put_async(raw_store(store), last, data[:-40] + bytes([data[-40] ^ 1]) + data[-39:])
+            code, _, err = await _cli({**env, "TOASTMACHINE_DATABASE_URL": other}, "mirror", "--from",
+                                      str(tmp_path / "archive"), "--public-key", key, "--once")
+            assert code == 1 and b"merkle_mismatch" in err, err
+            conn = await asyncpg.connect(other)
+            try:
+                assert await conn.fetchval("select count(*) from changes") == 0
+                assert await conn.fetchval("select count(*) from corpus_witness") == 0
+            finally:
+                await conn.close()
+
         code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", stranger,
                                     "--once")
         assert code == 1 and b"not_signed_by_key" in err

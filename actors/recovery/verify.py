@@ -134,6 +134,10 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
             if comparison.lineage != str(lineage):
                 findings.append(Finding("lineage_mismatch", f"the database holds lineage {comparison.lineage}, "
                                         f"the archive is of {lineage}"))
+            provenance = await conn.fetchval("select parent_lineage from corpus_provenance")
+            if walk.manifest is not None and provenance != walk.manifest.parent_lineage:
+                findings.append(Finding("parent_lineage_mismatch", f"the manifest names parent lineage "
+                                        f"{walk.manifest.parent_lineage}, the database was restored from {provenance}"))
             comparer = _RowComparer(conn, comparison, findings)
             manifest = walk.manifest
             if manifest is not None:
