@@ -1,5 +1,5 @@
 """The ``toastmachine`` command line: up, web, run ACTOR, migrate, doctor, guide set|show|reset, archive
-status, dev seed.
+status|verify|restore (the last two in toastmachine/recovery_cli.py, with mirror), dev seed.
 
 Exit codes: 0 success, 1 a service failed or shutdown missed its deadline, 2 bad configuration
 or usage.
