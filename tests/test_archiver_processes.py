@@ -18,6 +18,7 @@ from protocol.archive import Stream, decode_segment, manifest_key, parse_segment
 from protocol.manifest import decode_manifest
 from tests.corpus_fixtures import STACK_ENV, running_stack
 from tests.deployment import WAIT, Deployment, deployment
+from tests.s3_server import S3Server
 
 #: Changes written before the archivers start: 2 per segment, so about 120 segments to cut.
 CHANGES = 240
@@ -172,3 +173,35 @@ async def test_up_archives_to_the_data_directory_and_archive_status_reports_it(t
     assert report["public"]["verified_through"] == sequence
     assert report["public"]["segments"] == {"published": 1}
     assert report["active_archiver"] is None and report["lag_events"] == 0
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+async def test_the_procfile_archiver_archives_to_an_s3_compatible_store(
+        tmp_path: Path, rabbitmq_url: str, database_url: str, s3_server: S3Server) -> None:
+    """The Procfile's archiver line against SeaweedFS (``s3://bucket/prefix`` and the S3 settings)."""
+    async with running_stack(database_url, rabbitmq_url, STACK_ENV) as stack:
+        agent = await stack.register()
+        first = await stack.conversation(agent)
+        for _ in range(4):
+            await stack.message(agent, first["conversation"]["id"], content="to s3")
+        lineage = uuid.UUID(str(stack.identity.lineage))
+    prefix = f"procfile-{uuid.uuid4().hex[:8]}"
+    env = {"TOASTMACHINE_ARCHIVE_URL": f"s3://{s3_server.bucket}/{prefix}",
+           "TOASTMACHINE_ARCHIVE_S3_ENDPOINT": s3_server.endpoint, "TOASTMACHINE_ARCHIVE_S3_REGION": "us-east-1",
+           "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID": s3_server.access_key_id,
+           "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+           "TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "0.2"}
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        proc = await dep.start("archiver", "arch-s3", **env)
+        await all_published(database_url, 3)  # 5 changes: 2 + 2 + 1 (the last one sealed by age)
+        assert s3_server.secret_access_key not in "\n".join(proc.output)
+    store = s3_server.store(prefix)
+    manifest = decode_manifest(await store.get(manifest_key(lineage)))
+    previous = None
+    for entry in manifest.segments:
+        seg = decode_segment(await store.get(f"{lineage}/segments/{entry.index:010d}-{entry.first_sequence:019d}-"
+                                             f"{entry.last_sequence:019d}"), expected_previous_hash=previous)
+        previous = seg.hash
+    assert [s.event_count for s in manifest.segments] == [2, 2, 1]
