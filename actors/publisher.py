@@ -36,18 +36,28 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-import asyncpg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from infra.bus.base import Bus, HeaderValue, declare_corpus_events
 from infra.db import CorpusIdentity, Database
+from infra.db.lock_session import (
+    SESSION_ERRORS,
+    LockLost,
+    LockSession,
+    guarded,
+    lock_holder,
+    open_lock_session,
+    pause,
+)
 from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
 from infra.logs import TRACE_HEADER
 from infra.runtime import Actor
 from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError, ToastMachineError
 from protocol.events import ChangeEvent, event_headers
 from protocol.messages import decode_message
+
+T = TypeVar("T")
 
 #: Key of the session-level advisory lock held by the active publisher: the first 8 bytes of
 #: sha256(b"toastmachine:publisher") as a signed big-endian integer (other keys: the migration lock
@@ -68,32 +78,14 @@ DEFAULT_STANDBY_INTERVAL = 1.0
 DEFAULT_PUBLISH_TIMEOUT = 10.0
 #: Back-off after a failed window: doubles from the first value up to the second.
 RETRY_BACKOFF = (0.2, 5.0)
-#: Seconds allowed to open the lock connection.
-CONNECT_TIMEOUT = 10.0
 
 _READ_CHANGES = ("select sequence, event, trace_id from changes where sequence > $1 "
                  "order by sequence limit $2")
 # Never backwards: a cursor only records what was confirmed, whoever wrote it.
 _ADVANCE_CURSOR = ("update publisher_cursor set sequence = $1, updated_at = now() "
                    "where sequence < $1")
-_HOLDER = ("select a.application_name from pg_locks l join pg_stat_activity a on a.pid = l.pid "
-           "where l.locktype = 'advisory' and l.granted and l.objsubid = 1 "
-           "and l.classid = $1 and l.objid = $2 "
-           "and l.database = (select oid from pg_database where datname = current_database())")
-
-T = TypeVar("T")
-
-
 class PublisherError(ToastMachineError):
     """A change in the history cannot be published (its stored envelope does not decode)."""
-
-
-class LockLost(ToastMachineError):
-    """The connection holding the publisher lock is gone: another instance may be active now."""
-
-
-#: What ends an active period: the lock session went away (the lock may be someone else's now).
-_SESSION_ERRORS: tuple[type[BaseException], ...] = (LockLost, *UNAVAILABLE_ERRORS)
 
 
 def application_name(node_id: str) -> str:
@@ -103,53 +95,13 @@ def application_name(node_id: str) -> str:
 
 async def active_publisher(target: Target) -> str | None:
     """The ``application_name`` of the session holding the publisher lock, or None when none does."""
-    classid, objid = (PUBLISHER_LOCK >> 32) & 0xFFFF_FFFF, PUBLISHER_LOCK & 0xFFFF_FFFF
-    async with connection(target) as conn:
-        name = await conn.fetchval(_HOLDER, classid, objid)
-    return str(name) if name is not None else None
+    return await lock_holder(target, PUBLISHER_LOCK)
 
 
 async def read_cursor(target: Target) -> int:
     """The publisher's cursor: every change up to it has been published and confirmed."""
     async with connection(target) as conn:
         return int(await conn.fetchval("select sequence from publisher_cursor"))
-
-
-class _LockSession:
-    """One publisher's own database session: the advisory lock, LISTEN, the reads and the cursor.
-
-    With a DSN it is a dedicated connection, closed at the end (which drops the lock and the
-    LISTEN). Without one (tests that hold only a pool) it borrows a pool connection for as long as
-    it lives and undoes its session state before giving it back.
-    """
-
-    def __init__(self, conn: Any, release: Callable[[], Awaitable[None]]) -> None:
-        self.conn = conn
-        self.lost = asyncio.Event()
-        self.locked = False
-        self._release = release
-        self._closed = False
-        conn.add_termination_listener(self._on_terminated)
-
-    def _on_terminated(self, _conn: Any) -> None:
-        self.lost.set()
-
-    async def try_lock(self) -> bool:
-        self.locked = bool(await self.conn.fetchval("select pg_try_advisory_lock($1)", PUBLISHER_LOCK))
-        return self.locked
-
-    async def close(self) -> None:
-        """Give the lock up and release the connection. Idempotent; never raises."""
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self.conn.remove_termination_listener(self._on_terminated)
-        try:
-            await self._release()
-        except Exception:  # noqa: BLE001 - a broken connection: the server dropped its session anyway
-            with contextlib.suppress(Exception):
-                self.conn.terminate()
 
 
 class EventPublisher(Actor):
@@ -233,7 +185,7 @@ class EventPublisher(Actor):
                            "publishing nothing until the operator fixes it")
             await self._stop_requested.wait()
             return
-        session: _LockSession | None = None
+        session: LockSession | None = None
         standby_logged = False
         unavailable_logged = False
         try:
@@ -269,7 +221,7 @@ class EventPublisher(Actor):
                 standby_logged = False
                 try:
                     await self._publish_while_active(session)
-                except _SESSION_ERRORS as e:
+                except SESSION_ERRORS as e:
                     # The lock may be someone else's by now: publish nothing more on this session.
                     self.log.warning("publisher.lock_lost", error=repr(e), cursor=self.cursor,
                                      detail="stopped publishing; back to standby")
@@ -282,41 +234,13 @@ class EventPublisher(Actor):
             if session is not None:
                 await session.close()
 
-    async def _open_session(self) -> _LockSession:
-        app = application_name(self.node_id)
-        if self.dsn is not None:
-            conn = await asyncpg.connect(self.dsn, timeout=CONNECT_TIMEOUT,
-                                         server_settings={"application_name": app})
+    async def _open_session(self) -> LockSession:
+        return await open_lock_session(self.db, self.dsn, PUBLISHER_LOCK, application_name(self.node_id))
 
-            async def close() -> None:
-                await conn.close(timeout=2)
-
-            return _LockSession(conn, close)
-        pool = self.db.pool
-        pooled = await pool.acquire(timeout=CONNECT_TIMEOUT)
-
-        async def give_back() -> None:
-            try:
-                # The pool does not reset sessions (infra/db/pool.py): undo ours before returning it.
-                with contextlib.suppress(Exception):
-                    await pooled.remove_listener(NOTIFY_CHANNEL, self._on_notify)
-                if not pooled.is_closed():
-                    await pooled.execute("unlisten *; select pg_advisory_unlock_all(); reset application_name",
-                                         timeout=2)
-            finally:
-                await pool.release(pooled)
-
-        try:
-            await pooled.execute("select set_config('application_name', $1, false)", app)
-        except BaseException:
-            await pool.release(pooled)
-            raise
-        return _LockSession(pooled, give_back)
-
-    async def _publish_while_active(self, session: _LockSession) -> None:
+    async def _publish_while_active(self, session: LockSession) -> None:
         conn = session.conn
         # LISTEN before the first read, so a change committed in between wakes us.
-        await self._guard(session, conn.add_listener(NOTIFY_CHANNEL, self._on_notify))
+        await self._guard(session, session.listen(NOTIFY_CHANNEL, self._on_notify))
         cursor = int(await self._guard(session, conn.fetchval("select sequence from publisher_cursor")))
         self.active = True
         self.activations += 1
@@ -415,30 +339,12 @@ class EventPublisher(Actor):
 
     # --- waiting -----------------------------------------------------------------------------
 
-    async def _guard(self, session: _LockSession, work: Awaitable[T]) -> T:
-        """Run ``work`` unless the lock session is lost first: then cancel it and raise LockLost."""
-        task = asyncio.ensure_future(work)
-        lost = asyncio.ensure_future(session.lost.wait())
-        try:
-            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        if task.cancelled():
-            raise LockLost("the publisher's database session closed")
-        return task.result()
+    async def _guard(self, session: LockSession, work: Awaitable[T]) -> T:
+        return await guarded(session, work)
 
     async def _pause(self, seconds: float, *events: asyncio.Event) -> None:
         """Sleep ``seconds``, or less if the actor is stopped or one of ``events`` is set."""
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._stop_requested, *events)]
-        try:
-            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
+        await pause(seconds, self._stop_requested, *events)
 
 
 class PublisherCollector(Collector):

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from actors import archiver
 from actors.publisher import EventPublisher, export_metrics
 from actors.writer import CorpusWriter
+from infra.archive_keys import archive_origin, load_signing_key
+from infra.archive_store import ArchiveStore
 from infra.ratelimit import write_budget
 from infra.runtime import Actor
 
@@ -28,8 +31,22 @@ def _publisher(node: Node) -> Actor:
     return EventPublisher(node.bus, node.db, node_id=node.settings.node_id, identity=node.identity, dsn=dsn)
 
 
+def _archiver(node: Node) -> Actor:
+    archiver.export_metrics(node.metrics.registry,
+                            lambda: node.supervisor.actors.get("archiver") if node.supervisor is not None else None)
+    settings = node.settings
+    dsn = settings.database_url or (node.embedded.dsn if node.embedded is not None else None)
+    signer = load_signing_key(settings, archive_origin(node.identity.corpus_id)) if node.identity else None
+    policy = archiver.SealPolicy(settings.archive_segment_events, settings.archive_segment_bytes,
+                                 settings.archive_segment_seconds)
+    return archiver.Archiver(node.bus, node.db, identity=node.identity, store=ArchiveStore.from_settings(settings),
+                             signer=signer, node_id=settings.node_id, dsn=dsn, policy=policy,
+                             sweep_interval=settings.archive_sweep_seconds)
+
+
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).
 ACTORS: dict[str, Callable[[Node], Actor]] = {
     "writer": _writer,
     "publisher": _publisher,
+    "archiver": _archiver,
 }

@@ -146,16 +146,24 @@ class ArchiveStore:
         where = f"s3://{bucket}/{prefix}".rstrip("/")
         return cls(store, f"{where} at {options.endpoint or 'the default endpoint'}")
 
+    @staticmethod
+    def local_directory(url: str | None, data_dir: Path) -> Path | None:
+        """The directory a ``TOASTMACHINE_ARCHIVE_URL`` value names, or None when it names no directory."""
+        if url is None:
+            return data_dir / "archive"
+        if "://" not in url:
+            return Path(url)
+        parts = urlsplit(url)
+        return Path(unquote(parts.path)) if parts.scheme == "file" else None
+
     @classmethod
     def from_url(cls, url: str | None, *, data_dir: Path, s3: S3Options | None = None) -> ArchiveStore:
         """The store named by a ``TOASTMACHINE_ARCHIVE_URL`` value (None: ``data_dir/archive``)."""
-        if url is None:
-            return cls.local(data_dir / "archive")
-        if "://" not in url:
-            return cls.local(Path(url))
+        directory = cls.local_directory(url, data_dir)
+        if directory is not None:
+            return cls.local(directory)
+        assert url is not None
         parts = urlsplit(url)
-        if parts.scheme == "file":
-            return cls.local(Path(unquote(parts.path)))
         if parts.scheme == "s3" and parts.netloc:
             return cls.s3(parts.netloc, unquote(parts.path).strip("/"), s3 or S3Options())
         raise ConfigError("TOASTMACHINE_ARCHIVE_URL must be a directory, file:// or s3://bucket[/prefix] URL")

@@ -58,6 +58,14 @@ class Settings:
     #: The checkpoint signer key (``PRIVATE+KEY+...`` text); None means the file
     #: ``data_dir/archive-signing-key``, generated on first use. Never printed.
     archive_signing_key: str | None = None
+    #: The archiver seals a segment at this many events (SPEC §5: 500)...
+    archive_segment_events: int = 500
+    #: ...or when the next event would take the segment past this many bytes (4 MiB)...
+    archive_segment_bytes: int = 4 << 20
+    #: ...or this many seconds after the first event not yet in a segment was committed.
+    archive_segment_seconds: float = 60.0
+    #: Seconds between the archiver's sweeps of the history when no wake-up arrives.
+    archive_sweep_seconds: float = 5.0
     #: "console" (human) or "json" (production).
     log_format: str = "console"
     #: Root log level.
@@ -154,6 +162,10 @@ class Settings:
             archive_s3_access_key_id=get("ARCHIVE_S3_ACCESS_KEY_ID", lambda _v, raw: raw, None),
             archive_s3_secret_access_key=get("ARCHIVE_S3_SECRET_ACCESS_KEY", lambda _v, raw: raw, None),
             archive_signing_key=get("ARCHIVE_SIGNING_KEY", _signer_key, None),
+            archive_segment_events=get("ARCHIVE_SEGMENT_EVENTS", _int(1, 65_536), d.archive_segment_events),
+            archive_segment_bytes=get("ARCHIVE_SEGMENT_BYTES", _int(1024, 64 << 20), d.archive_segment_bytes),
+            archive_segment_seconds=get("ARCHIVE_SEGMENT_SECONDS", _float(0, 86_400), d.archive_segment_seconds),
+            archive_sweep_seconds=get("ARCHIVE_SWEEP_SECONDS", _float(0.05, 3600), d.archive_sweep_seconds),
             log_format=get("LOG_FORMAT", _choice("console", "json"), d.log_format),
             log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
             register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),

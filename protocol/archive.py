@@ -387,6 +387,11 @@ def checkpoint_key(lineage: uuid.UUID, size: int) -> str:
     return f"{lineage}/checkpoints/{size:019d}"
 
 
+def private_checkpoint_key(lineage: uuid.UUID, size: int) -> str:
+    """``<lineage>/private/checkpoints/<size>``: the private stream's checkpoints (never served)."""
+    return f"{lineage}/private/{checkpoint_key(lineage, size).split('/', 1)[1]}"
+
+
 def manifest_key(lineage: uuid.UUID) -> str:
     """``<lineage>/manifest.json``: the one object that is replaced as segments are published."""
     return f"{lineage}/manifest.json"

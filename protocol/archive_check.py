@@ -59,6 +59,7 @@ def check_listing(manifest: Manifest, keys: Iterable[str]) -> list[Finding]:
     expected = {segment_key(lineage, s.index, s.first_sequence, s.last_sequence): s for s in manifest.segments}
     fixed = {manifest_key(lineage), public_key_key(lineage)}
     checkpoints = f"{lineage}/checkpoints/"
+    private_checkpoints = f"{lineage}/private/checkpoints/"
     present: set[str] = set()
     findings: list[Finding] = []
     for key in sorted(set(keys)):
@@ -68,7 +69,8 @@ def check_listing(manifest: Manifest, keys: Iterable[str]) -> list[Finding]:
         parsed = parse_segment_key(key)
         if key in expected or key in fixed:
             continue
-        if key.startswith(checkpoints) and key[len(checkpoints):].isdigit():
+        if (key.startswith(checkpoints) and key[len(checkpoints):].isdigit()) or (
+                key.startswith(private_checkpoints) and key[len(private_checkpoints):].isdigit()):
             continue
         if parsed is not None and parsed.stream is Stream.PRIVATE:
             continue  # the private stream has its own list (not built yet)

@@ -89,6 +89,29 @@ def inclusion_proof(leaves: Sequence[bytes], index: int) -> list[bytes]:
     return path
 
 
+def inclusion_ranges(index: int, size: int) -> list[tuple[int, int]]:
+    """The leaf ranges ``[lo, hi)`` whose tree hashes make up PATH(index, D[size]), leaf end first.
+
+    They are disjoint and, with the leaf itself, cover the tree: a caller that streams the leaves
+    once (e.g. from a database) can compute the audit path with one :class:`CompactTree` per range,
+    without holding the leaves (what :func:`inclusion_proof` needs).
+    """
+    if not 0 <= index < size:
+        raise MerkleError(f"leaf index {index} is outside a tree of size {size}")
+    ranges: list[tuple[int, int]] = []
+    lo, hi = 0, size
+    while hi - lo > 1:
+        k = _split(hi - lo)
+        if index < lo + k:
+            ranges.append((lo + k, hi))
+            hi = lo + k
+        else:
+            ranges.append((lo, lo + k))
+            lo = lo + k
+    ranges.reverse()
+    return ranges
+
+
 def verify_inclusion(leaf: bytes, index: int, size: int, proof: Sequence[bytes], root: bytes) -> bool:
     """True when ``proof`` shows leaf hash ``leaf`` at ``index`` in the tree of ``size`` with ``root``.
 

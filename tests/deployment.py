@@ -21,7 +21,8 @@ COMMAND_TIMEOUT = 5.0
 #: Seconds a process may take to start.
 WAIT = 60.0
 STARTED = {"writer": r"ToastMachine running writer", "publisher": r"ToastMachine running publisher",
-           "mcp": r"ToastMachine MCP at (http://\S+)"}
+           "mcp": r"ToastMachine MCP at (http://\S+)",
+           "archiver": r"ToastMachine running archiver"}
 
 
 def procfile() -> dict[str, str]:

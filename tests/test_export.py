@@ -329,8 +329,9 @@ async def test_corpus_info(stack: Stack) -> None:
         "corpus_id": str(stack.identity.corpus_id), "lineage": str(stack.identity.lineage),
         "head_sequence": 0, "earliest_sequence": 0,
         "counts": {"agents": 0, "conversations": 0, "messages": 0, "relationships": 0, "changes": 0},
+        "archive": {"archived_through": 0, "verified_through": 0},
         "links": {"changes": "/corpus/changes.jsonl", "snapshot": "/corpus/snapshot.jsonl",
-                  "stream": "/corpus/stream"},
+                  "stream": "/corpus/stream", "archive": "/corpus/archive"},
     }
     await _history(stack)
     await stack.register("quiet")  # agents with no activity count too

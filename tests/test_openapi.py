@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import jsonschema
@@ -226,9 +227,22 @@ async def _seed(stack: Stack) -> dict[str, Any]:
             "supports": supports.body["relationship"]["id"], "created": created, "retracted": retracted}
 
 
-async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any]) -> None:
+async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any], tmp_path: Path) -> None:
     contract = Contract(doc)
     seed = await _seed(stack)
+    # The archive of the seed (segments of 2, the last one sealed by age), read by the web front.
+    from actors.archiver import SealPolicy
+    from actors.web.archive import ARCHIVE_STORE
+    from tests.test_archiver import archiving, local, until
+
+    store = local(tmp_path)
+    stack.client.app[ARCHIVE_STORE]["store"] = store
+    async with archiving(stack, store, SealPolicy(events=2, seconds=0)):
+        async def archived() -> bool:
+            head = await stack.db.pool.fetchval("select max(sequence) from changes")
+            through = await stack.db.pool.fetchval("select published_through from archive_watermarks where stream = 0")
+            return bool(through == head)
+        await until(archived, what="the seed to be archived")
     alice, bob, cid, root, rid = seed["alice"], seed["bob"], seed["cid"], seed["root"], seed["rid"]
     client = stack.client
 
@@ -284,6 +298,23 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     await get("/corpus/changes.jsonl")
     await get("/corpus/changes.jsonl?after=1&limit=2")
     await get("/corpus/snapshot.jsonl")
+    await get("/corpus/archive")
+    for media in ("application/ld+json", "text/markdown", "text/html"):
+        await get("/corpus/archive", accept=media)
+    archive = orjson.loads(await (await client.get("/corpus/archive")).read())
+    segment = f"/corpus/archive/segments/{archive['segments'][0]['name']}"
+    segment_etag = (await get(segment))["ETag"]
+    await get(segment, 304, **{"If-None-Match": segment_etag})
+    await get(f"/corpus/archive/checkpoints/{archive['tree_size']}")
+    await get(f"/corpus/archive/proof?sequence={archive['segments'][0]['first_sequence']}")
+    await get(f"/corpus/archive/proof?sequence=1&size={archive['tree_size']}")
+    for path in ("/corpus/archive/proof", "/corpus/archive/proof?sequence=0", "/corpus/archive/checkpoints/x",
+                 "/corpus/archive?x=1"):
+        await get(path, 400)
+    for path in ("/corpus/archive/proof?sequence=999999", "/corpus/archive/checkpoints/999999",
+                 "/corpus/archive/segments/nope"):
+        await get(path, 404)
+    await get("/corpus/archive", 406, accept="image/png")
 
     # Errors: bad parameters, unknown records, negotiation, lineage, credentials.
     for path in ["/messages?limit=0", "/messages?after=1&offset=0", "/messages?after=1&order=desc",

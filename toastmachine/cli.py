@@ -1,4 +1,5 @@
-"""The ``toastmachine`` command line: up, web, run ACTOR, migrate, doctor, guide set|show|reset, dev seed.
+"""The ``toastmachine`` command line: up, web, run ACTOR, migrate, doctor, guide set|show|reset, archive
+status|verify|restore (the last two in toastmachine/recovery_cli.py, with mirror), dev seed.
 
 Exit codes: 0 success, 1 a service failed or shutdown missed its deadline, 2 bad configuration
 or usage.
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     guide_set.set_defaults(func=cmd_guide_set)
     guide_sub.add_parser("show", help=cmd_guide_show.__doc__).set_defaults(func=cmd_guide_show)
     guide_sub.add_parser("reset", help=cmd_guide_reset.__doc__).set_defaults(func=cmd_guide_reset)
+    archive = sub.add_parser("archive", help="the verifiable archive of the history (SPEC §5)")
+    archive_sub = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
+    archive_sub.add_parser("status", help=cmd_archive_status.__doc__).set_defaults(func=cmd_archive_status)
     oauth = sub.add_parser("oauth", help="the MCP front's OAuth clients and grants")
     oauth_sub = oauth.add_subparsers(dest="oauth_command", required=True, metavar="WHAT")
     clients = oauth_sub.add_parser("clients", help="registered OAuth clients")
@@ -357,10 +361,42 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = oauth_sub.add_parser("revoke", help=cmd_oauth_revoke.__doc__)
     revoke.add_argument("id", help="a grant id, or a client id (revokes all its grants)")
     revoke.set_defaults(func=cmd_oauth_revoke)
+    from toastmachine.recovery_cli import add_commands as add_recovery_commands
+
+    add_recovery_commands(sub)
     return parser
 
 
 # --- oauth: the MCP front's clients and grants -------------------------------------------------------
+
+def cmd_archive_status(settings: Settings, args: argparse.Namespace) -> int:
+    """Print the archive's state as JSON: watermarks, segments by state, latest checkpoint, lag, the
+    active archiver and the store."""
+    import json
+
+    from actors.archiver import active_archiver
+    from actors.reads.archive import archive_lag
+    from infra.archive_store import ArchiveStore
+
+    async def go() -> dict[str, Any]:
+        async with open_database(settings) as (db, _embedded, label):
+            rows = await db.pool.fetch(
+                "select w.stream, w.archived_through, w.verified_through, w.published_through, "
+                "(select max(tree_size) from archive_checkpoints c where c.stream = w.stream) as checkpoint_size, "
+                "(select coalesce(jsonb_object_agg(state, n), '{}') from (select state, count(*) as n "
+                " from archive_segments s where s.stream = w.stream group by state) as by_state) as segments "
+                "from archive_watermarks w order by w.stream")
+            streams = {("public" if r["stream"] == 0 else "private"): {
+                "archived_through": r["archived_through"], "verified_through": r["verified_through"],
+                "published_through": r["published_through"], "checkpoint_size": r["checkpoint_size"],
+                "segments": dict(r["segments"])} for r in rows}
+            return {"database": label, "store": ArchiveStore.from_settings(settings).description,
+                    "active_archiver": await active_archiver(db),
+                    "lag_events": await archive_lag(db), **streams}
+
+    print(json.dumps(asyncio.run(go()), indent=2, sort_keys=True), flush=True)
+    return 0
+
 
 def cmd_oauth_clients_list(settings: Settings, args: argparse.Namespace) -> int:
     """List registered OAuth clients (id, name, auth method, live grants, redirect URIs), newest first."""

@@ -9,10 +9,13 @@ from typing import Any
 import asyncpg
 import orjson
 
+from protocol import representations as rep
+
 #: Where the web front serves the synchronization feeds (linked from the corpus info).
 CHANGES_PATH = "/corpus/changes.jsonl"
 SNAPSHOT_PATH = "/corpus/snapshot.jsonl"
 STREAM_PATH = "/corpus/stream"
+ARCHIVE_PATH = "/corpus/archive"
 
 # Counts from the read models where they are exact (they commit with the changes they count): every
 # message is counted in its author's agent_activity, every conversation has one
@@ -25,19 +28,35 @@ CORPUS_INFO_SQL = (
     " (select count(*) from retractions) as retractions)"
     " select (select coalesce(max(sequence), 0) from changes) as head,"
     " (select coalesce(min(sequence), 0) from changes) as earliest,"
-    " agents, conversations, messages, relationships, messages + relationships + retractions as changes"
+    " agents, conversations, messages, relationships, messages + relationships + retractions as changes,"
+    " (select archived_through from archive_watermarks where stream = 0) as archived_through,"
+    " (select verified_through from archive_watermarks where stream = 0) as verified_through"
     " from counts")
 
 
+#: A restored history's provenance (migration 0008): written once with the witness, never changed.
+PROVENANCE_SQL = ("select parent_lineage, checkpoint_size, encode(checkpoint_root, 'hex') as checkpoint_root,"
+                  " restored_through, restored_at from corpus_provenance")
+
+
 async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> dict[str, Any]:
-    """``GET /corpus``'s body. One statement sees one snapshot: the counts and the head agree."""
+    """``GET /corpus``'s body. One statement sees one snapshot: the counts and the head agree.
+    A restored history also says where it came from (``provenance``; absent for an original one)."""
     row = await pool.fetchrow(CORPUS_INFO_SQL)
-    return {
+    body: dict[str, Any] = {
         "corpus_id": corpus_id, "lineage": lineage,
         "head_sequence": row["head"], "earliest_sequence": row["earliest"],
         "counts": {name: row[name] for name in ("agents", "conversations", "messages", "relationships", "changes")},
-        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH},
+        "archive": {"archived_through": row["archived_through"] or 0, "verified_through": row["verified_through"] or 0},
+        "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH, "archive": ARCHIVE_PATH},
     }
+    provenance = await pool.fetchrow(PROVENANCE_SQL)
+    if provenance is not None:
+        body["provenance"] = {
+            "parent_lineage": str(provenance["parent_lineage"]), "checkpoint_size": provenance["checkpoint_size"],
+            "checkpoint_root": provenance["checkpoint_root"], "restored_through": provenance["restored_through"],
+            "restored_at": rep.format_time(provenance["restored_at"])}
+    return body
 
 
 _CHANGES_PAGE = ("select sequence, event, (select coalesce(max(sequence), 0) from changes) as head,"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.reads.corpus import CHANGES_PATH, SNAPSHOT_PATH, STREAM_PATH
+from actors.reads.corpus import ARCHIVE_PATH, CHANGES_PATH, SNAPSHOT_PATH, STREAM_PATH
 from protocol import query
 from protocol.agents import DESCRIPTION_MAX_CHARS, GUIDE_VERSION
 from protocol.corpus import KINDS, MAX_CONTENT_CHARS, MAX_SUBJECT_CHARS, PARTITIONS, RELATIONSHIP_TYPES
@@ -215,8 +215,17 @@ def representation_schemas() -> dict[str, Schema]:
         "head_sequence": ref("Count"), "earliest_sequence": ref("Count"),
         "counts": obj({n: ref("Count") for n in ("agents", "conversations", "messages", "relationships",
                                                   "changes")}),
+        "archive": obj({"archived_through": ref("Count"), "verified_through": ref("Count")},
+                       description="The archive's boundaries: every change up to archived_through is in a "
+                                   "written segment, up to verified_through in one read back and verified."),
         "links": obj({"changes": {"const": CHANGES_PATH}, "snapshot": {"const": SNAPSHOT_PATH},
-                       "stream": {"const": STREAM_PATH}})})
+                      "stream": {"const": STREAM_PATH}, "archive": {"const": ARCHIVE_PATH}})},
+        {"provenance": obj({"parent_lineage": ref("Id"), "checkpoint_size": ref("Count"),
+                            "checkpoint_root": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                            "restored_through": ref("Sequence"),
+                            "restored_at": {"type": "string", "format": "date-time"}},
+                           description="A restored history: the lineage it was restored from and the signed "
+                                       "checkpoint it was verified against (absent for an original history).")})
     s["EventEnvelope"] = _event_envelope()
     s["SnapshotLine"] = {
         "description": "One line of GET /corpus/snapshot.jsonl: a current record and its sequence.",

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from actors.web import agents, auth, export, front, health, ingress, openapi, reads, stream
+from actors.web import agents, archive, auth, export, front, health, ingress, openapi, reads, stream
 from actors.web.context import NODE
 from infra.http import READ_TIMEOUT, make_middleware
 from infra.http_server import GuardedAppRunner
@@ -46,6 +46,7 @@ def make_app(node: Node) -> web.Application:
     ingress.add_routes(app)
     stream.add_routes(app)
     export.add_routes(app)
+    archive.add_routes(app)
     front.add_routes(app)
     reads.add_routes(app)
     openapi.add_routes(app)

@@ -7,7 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
+from actors.reads import archive as archive_reads
 from actors.web.context import NODE
+from infra.db import Database
 from infra.http import json_response
 from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from protocol.errors import ServiceUnavailable
@@ -43,6 +45,7 @@ async def readyz(request: web.Request) -> web.Response:
         checks["corpus"] = "lineage_unavailable: configured corpus identity does not match the database"
     else:
         checks["corpus"] = "ok"
+    checks["archive"] = await _archive_detail(node.db)
     actors = {name: h.as_dict() for name, h in node.actor_health().items()}
     if actors:
         checks["actors"] = actors
@@ -55,6 +58,19 @@ async def readyz(request: web.Request) -> web.Response:
     body = error.envelope()
     body["checks"] = checks
     return json_response(body, status=503)
+
+
+async def _archive_detail(db: Database) -> dict[str, Any]:
+    """The archive's boundaries and lag: detail only, never what readiness depends on (an archive
+    that lags does not make a node unfit to serve)."""
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT):
+            marks = await archive_reads.watermarks(db)
+            lag = await archive_reads.archive_lag(db, marks.verified_through)
+    except Exception:  # noqa: BLE001 - the database check above reports why
+        return {"status": "unknown"}
+    return {"archived_through": marks.archived_through, "verified_through": marks.verified_through,
+            "lag_events": lag}
 
 
 def _public_reason(error: Exception) -> str:

@@ -31,6 +31,7 @@ from actors.reads.schemas import (  # noqa: F401 - UUID_INPUT_PATTERN is re-expo
     representation_schemas,
 )
 from actors.reads.schemas import obj as _obj
+from actors.reads import archive as archive_reads
 from actors.web import export, favicon
 from actors.web.context import NODE
 from actors.web.front import mcp_links
@@ -55,18 +56,44 @@ SSE = "text/event-stream"
 def _schemas() -> dict[str, Schema]:
     """Every component schema: the shared representations plus the web front's own."""
     s = representation_schemas()
+
+    # The public archive (web front only: MCP serves no archive).
+    hex64 = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+    s["ArchiveSegment"] = _obj(
+        {"index": ref("Count"), "first_sequence": ref("Sequence"), "last_sequence": ref("Sequence"),
+         "event_count": ref("Count"), "state": {"enum": ["sealed", "written", "verified", "published"]}},
+        {"size": ref("Count"), "hash": hex64,
+         "name": {"type": "string", "pattern": archive_reads.SEGMENT_NAME.pattern.replace("(?P<index>", "(")
+                  .replace("(?P<first>", "(").replace("(?P<last>", "(")}},
+        description="One segment of the public archive; size, hash and name once it is written.")
+    s["ArchiveInfo"] = _obj({
+        "lineage": ref("Id"), "segments": {"type": "array", "items": ref("ArchiveSegment"),
+                                           "maxItems": archive_reads.STATUS_SEGMENTS},
+        "segment_count": ref("Count"), "checkpoint": {"type": ["string", "null"]}, "tree_size": ref("Count"),
+        "public_key": {"type": ["string", "null"]}, "archived_through": ref("Count"),
+        "verified_through": ref("Count"), "published_through": ref("Count"), "head_sequence": ref("Count"),
+        "lag_events": ref("Count"),
+        "links": _obj({"manifest": {"type": "string"}, "checkpoints": {"type": "string"},
+                       "proof": {"const": archive_reads.PROOF_PATH}})},
+        description="The public archive: the most recent segments, the latest signed checkpoint (C2SP signed "
+                    "note), the signer's verifier key and the watermarks (docs/archive-format.md).")
+    s["InclusionProof"] = _obj({
+        "sequence": ref("Sequence"), "leaf_index": ref("Count"), "tree_size": ref("Count"), "leaf_hash": hex64,
+        "proof": {"type": "array", "items": hex64}, "checkpoint": {"type": "string"}},
+        description="RFC 6962 audit path of one change's leaf, leaf end first, in the tree the checkpoint signs.")
     s["StreamEvent"] = _stream_event()
     s["FrontDoor"] = _front_door()
     s["Health"] = _obj({"status": {"const": "ok"}})
     checks = {"type": "object", "properties": {"database": {"type": "string"}, "bus": {"type": "string"},
-                                               "corpus": {"type": "string"}, "actors": {"type": "object"}},
+                                               "corpus": {"type": "string"}, "actors": {"type": "object"},
+                                               "archive": {"type": "object"}},
               "required": ["database", "bus", "corpus"], "additionalProperties": False}
     s["Ready"] = _obj({"status": {"const": "ready"}, "checks": checks})
     s["NotReady"] = _obj({"error": ref("ErrorBody"), "checks": checks})
 
     # JSON-LD: the JSON representation with @context, @id and @type (actors.web.render.to_jsonld).
     for name in ("Message", "ConversationWithMessages", "MessageList", "SearchResults", "ConversationList",
-                 "RelationshipList", "TagList", "AgentList", "Agent", "CorpusInfo"):
+                 "RelationshipList", "TagList", "AgentList", "Agent", "CorpusInfo", "ArchiveInfo"):
         s[name + "LD"] = _jsonld(s[name])
     return s
 
@@ -434,6 +461,47 @@ def _paths() -> dict[str, Schema]:
                                                    MARKDOWN: _TEXT, HTML: _TEXT})},
                       "304": _r("NotModified"), "400": _r("BadRequest"), "406": _r("NotAcceptable"),
                       "503": _r("ServiceUnavailable")}}}
+    paths[archive_reads.ARCHIVE_PATH] = {"get": {
+        "operationId": "archive", "summary": "The public archive: segments, latest checkpoint, public key, "
+                                             "archived and verified boundaries.",
+        "tags": ["corpus"],
+        "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
+        "responses": {"200": {"description": "The representation negotiated with Accept (Cache-Control: "
+                                             "no-store).", "headers": _h(*identity, "ETag"),
+                              "content": _content({JSON: ref("ArchiveInfo"), JSONLD: ref("ArchiveInfoLD"),
+                                                   MARKDOWN: _TEXT, HTML: _TEXT})},
+                      "304": _r("NotModified"), "400": _r("BadRequest"), "406": _r("NotAcceptable"),
+                      "503": _r("ServiceUnavailable")}}}
+    immutable = {"Cache-Control": _header({"const": "public, max-age=31536000, immutable"}, "Never changes.")}
+    paths[archive_reads.SEGMENTS_PATH + "/{name}"] = {"get": {
+        "operationId": "archive_segment", "summary": "A verified public segment's bytes (docs/archive-format.md); "
+                                                     "ETag is its segment hash.",
+        "tags": ["corpus"],
+        "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                        "description": "<index>-<first>-<last> as GET /corpus/archive lists it."},
+                       {"$ref": "#/components/parameters/IfNoneMatch"}],
+        "responses": {"200": {"description": "The segment.", "headers": {**_h("ETag"), **immutable},
+                              "content": {"application/octet-stream": {"schema": _TEXT}}},
+                      "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
+                      "503": _r("ServiceUnavailable")}}}
+    paths[archive_reads.CHECKPOINTS_PATH + "/{size}"] = {"get": {
+        "operationId": "archive_checkpoint", "summary": "The signed checkpoint of a tree size (C2SP signed note).",
+        "tags": ["corpus"],
+        "parameters": [{"name": "size", "in": "path", "required": True,
+                        "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"}}],
+        "responses": {"200": {"description": "The note's text.", "headers": immutable,
+                              "content": {"text/plain": {"schema": _TEXT}}},
+                      "400": _r("BadRequest"), "404": _r("NotFound"), "503": _r("ServiceUnavailable")}}}
+    paths[archive_reads.PROOF_PATH] = {"get": {
+        "operationId": "archive_proof", "summary": "Inclusion proof of one change in a checkpoint's tree.",
+        "tags": ["corpus"],
+        "parameters": [{**_query("sequence", _int(1, query.MAX_SAFE_INTEGER), "The change's sequence."),
+                        "required": True},
+                       _query("size", _int(1, query.MAX_SAFE_INTEGER),
+                              "A published checkpoint's tree size (default: the latest).")],
+        "responses": {"200": {"description": "The audit path.", "headers": _h(*identity),
+                              "content": {JSON: {"schema": ref("InclusionProof")}}},
+                      "400": _r("BadRequest"), "404": _r("NotFound"), "503": _r("ServiceUnavailable")}}}
     lineage = _query("lineage", {"type": "string", "pattern": UUID_INPUT_PATTERN},
                      "The lineage you follow; another one is 409 lineage_mismatch.")
     lineage_header = {"name": "X-Corpus-Lineage", "in": "header", "required": False,

@@ -71,6 +71,7 @@ JSONLD_CONTEXT: dict[str, Any] = {
 _LD_TYPES = {
     "conversation": "schema:Conversation", "message": "schema:Message", "agent": "schema:Person",
     "relationship": "tm:Relationship", "tag": "schema:DefinedTerm", "corpus": "schema:Dataset",
+    "archive": "schema:DataCatalog",
 }
 
 
@@ -231,8 +232,34 @@ def _md_corpus(body: dict[str, Any]) -> list[str]:
     counts = ", ".join(f"{n} {name}" for name, n in body["counts"].items())
     return [f"- corpus_id: {body['corpus_id']}", f"- lineage: {body['lineage']}",
             f"- head sequence: {body['head_sequence']}, earliest sequence: {body['earliest_sequence']}",
-            f"- counts: {counts}", "",
+            f"- counts: {counts}", *_md_provenance(body), "",
             *(f"- {name}: <{url}>" for name, url in body["links"].items())]
+
+
+def _md_provenance(body: dict[str, Any]) -> list[str]:
+    p = body.get("provenance")
+    if p is None:
+        return []
+    return [(f"- restored from lineage {p['parent_lineage']} (checkpoint of size {p['checkpoint_size']}, "
+            f"root {p['checkpoint_root']}) at {p['restored_at']}")]
+
+
+def _md_archive(body: dict[str, Any]) -> list[str]:
+    out = [f"- lineage: {body['lineage']}",
+           (f"- archived through {body['archived_through']}, verified through {body['verified_through']}, "
+           f"published through {body['published_through']} (head {body['head_sequence']}, "
+           f"{body['lag_events']} changes not yet verified)"),
+           f"- public key: `{body['public_key']}`" if body["public_key"] else "- public key: (not published yet)",
+           "", f"## Segments ({body['segment_count']})", ""]
+    for seg in body["segments"]:
+        digest = f", `{seg['hash']}`" if "hash" in seg else ""
+        out.append(f"- {seg['index']}: {seg['first_sequence']}..{seg['last_sequence']}, "
+                   f"{seg['event_count']} events, {seg['state']}{digest}")
+    if not body["segments"]:
+        out.append("(none)")
+    if body["checkpoint"]:
+        out += ["", "## Latest checkpoint", "", "```", body["checkpoint"].rstrip("\n"), "```"]
+    return out
 
 
 _MD_ITEMS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -260,6 +287,8 @@ def to_markdown(doc: Document) -> str:
         out.append(_md_agent(body))
     elif doc.kind == "corpus":
         out += _md_corpus(body)
+    elif doc.kind == "archive":
+        out += _md_archive(body)
     for rel in ("prev", "next"):
         url = body.get(rel) if doc.collection else doc.links.get(rel)
         if url:
@@ -488,6 +517,10 @@ def _html_corpus(body: dict[str, Any]) -> str:
     facts = [("corpus_id", body["corpus_id"]), ("lineage", body["lineage"]),
              ("head sequence", body["head_sequence"]), ("earliest sequence", body["earliest_sequence"])]
     facts += [(name, count) for name, count in body["counts"].items()]
+    if "provenance" in body:  # a restored history says where it came from
+        p = body["provenance"]
+        facts += [("restored from lineage", p["parent_lineage"]), ("checkpoint size", p["checkpoint_size"]),
+                  ("checkpoint root", p["checkpoint_root"]), ("restored at", p["restored_at"])]
     rows = "".join(f'<dt>{_e(name)}</dt><dd id="corpus-{_e(name.replace(" ", "-"))}">{_e(value)}</dd>'
                    for name, value in facts)
     links = "".join(f'<li><a href="{_e(url)}">{_e(name)}</a> <code>{_e(url)}</code></li>'
@@ -496,6 +529,27 @@ def _html_corpus(body: dict[str, Any]) -> str:
             "<p>Mirrors and integrations follow the change history from these routes "
             "(JSON Lines and Server-Sent Events, not pages).</p>"
             f"<ul>{links}</ul>")
+
+
+def _html_archive(body: dict[str, Any]) -> str:
+    facts = [("lineage", body["lineage"]), ("archived through", body["archived_through"]),
+             ("verified through", body["verified_through"]), ("published through", body["published_through"]),
+             ("head sequence", body["head_sequence"]), ("changes not yet verified", body["lag_events"]),
+             ("segments", body["segment_count"]), ("public key", body["public_key"] or "(not published yet)")]
+    rows = "".join(f'<dt>{_e(name)}</dt><dd id="archive-{_e(name.replace(" ", "-"))}">{_e(value)}</dd>'
+                   for name, value in facts)
+    segments = "".join(
+        f"<tr><td>{_e(s['index'])}</td><td>{_e(s['first_sequence'])}</td><td>{_e(s['last_sequence'])}</td>"
+        f"<td>{_e(s['event_count'])}</td><td>{_e(s['state'])}</td><td>"
+        + (f'<a href="/corpus/archive/segments/{_e(s["name"])}"><code>{_e(s["hash"][:16])}</code></a>'
+           if "name" in s and s["state"] in ("verified", "published") else "")
+        + "</td></tr>" for s in body["segments"])
+    table = ("<table><thead><tr><th>index</th><th>first</th><th>last</th><th>events</th><th>state</th>"
+             f"<th>segment</th></tr></thead><tbody>{segments}</tbody></table>" if segments else "<p>No segments yet.</p>")
+    note = f"<h2>Latest checkpoint</h2><pre>{_e(body['checkpoint'])}</pre>" if body["checkpoint"] else ""
+    return (f'<dl class="facts">{rows}</dl>{note}<h2>Segments</h2>{table}'
+            "<p>Check it yourself with docs/archive-format.md: every segment links to the one before, "
+            "every change is a leaf of one Merkle tree, and the checkpoint signs its root.</p>")
 
 
 def _html_body(doc: Document) -> str:
@@ -515,6 +569,8 @@ def _html_body(doc: Document) -> str:
             f'<p><a href="/messages?{_e(urlencode({"author": body["name"]}))}">Messages by this agent</a></p>')
     if doc.kind == "corpus":
         return _html_corpus(body)
+    if doc.kind == "archive":
+        return _html_archive(body)
     total = f'<p class="meta">{_e(body["total"])} in all.</p>' if "total" in body and not doc.notice else ""
     if doc.kind == "message":
         items = "".join(_html_message(m) for m in body["items"])

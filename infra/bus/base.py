@@ -13,7 +13,10 @@ Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, o
   (at-least-once); consumers dedupe.
 * Queues come in two kinds (:class:`QueueKind`): ``WORK`` queues are durable quorum queues shared
   by competing consumers, with a delivery limit after which a message is dead-lettered to
-  ``tm.dead``; ``NODE`` queues belong to one process (exclusive, deleted with it), bounded in length.
+  ``tm.dead``; ``NODE`` queues belong to one process (exclusive, deleted with it), bounded in length;
+  ``WAKE`` queues are durable and shared like WORK ones but bounded like NODE ones, dropping their
+  oldest message when full: for wake-up hints whose truth lives elsewhere (the archiver's queue on
+  ``tm.events``), so a consumer that is away never makes publishers wait or the queue grow.
 * :meth:`Bus.consume` delivers at most ``prefetch`` unsettled messages at a time to a handler.
   Ack policy: a handler that returns normally acks (unless it settled the delivery itself); one
   that raises :class:`ProtocolDecodeError` dead-letters the delivery with the reason; one that
@@ -67,6 +70,7 @@ class QueueKind(enum.Enum):
 
     WORK = "work"
     NODE = "node"
+    WAKE = "wake"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,7 @@ class QueueSpec:
             broker-generated unique name (returned by :meth:`Bus.declare_queue`).
         kind: WORK (durable quorum, dead-lettered) or NODE (exclusive to this process).
         delivery_limit: WORK only: deliveries after which the message is dead-lettered.
-        max_length: NODE only: oldest messages are dropped past this length.
+        max_length: NODE and WAKE: oldest messages are dropped past this length.
     """
 
     name: str

@@ -484,7 +484,7 @@ class MemoryBus(Bus):
         else:
             queue.ready.append(stored)
         self._arrived.set()
-        limit = queue.spec.max_length if queue.spec.kind is QueueKind.NODE else self.max_queue_length
+        limit = self.max_queue_length if queue.spec.kind is QueueKind.WORK else queue.spec.max_length
         while len(queue.ready) > limit:
             dropped = queue.ready.popleft()
             if queue.spec.kind is QueueKind.WORK:

@@ -13,6 +13,7 @@ Topology (see docs/architecture.md)
     WORK queues are durable quorum queues with ``x-delivery-limit``, dead-lettered to ``tm.dead``
     with routing key = the queue name, at-least-once (which needs ``x-overflow: reject-publish``).
     NODE queues are exclusive, auto-delete, classic, with ``x-max-length`` and drop-head overflow.
+    WAKE queues are durable quorum queues with ``x-max-length`` and drop-head overflow, no dead letters.
 
 Delivery counts and dead letters
     ``delivery_count`` is the quorum queue's ``x-delivery-count`` + 1. RabbitMQ's ``x-delivery-limit``
@@ -275,6 +276,14 @@ class RabbitBus(Bus):
             return spec.name
         if spec.max_length < 1:
             raise BusError(f"max_length must be at least 1, not {spec.max_length}")
+        if spec.kind is QueueKind.WAKE:
+            if not spec.name:
+                raise BusError("WAKE queues must be named")
+            # Hints only: dropping the oldest when full never blocks a publisher, and nothing is
+            # dead-lettered (the consumer reads the truth from the database).
+            await self._declare(spec.name, durable=True, exclusive=False, auto_delete=False, arguments={
+                "x-queue-type": "quorum", "x-max-length": spec.max_length, "x-overflow": "drop-head"})
+            return spec.name
         # Named here rather than by the broker, so the reconnect can declare the same name again.
         name = spec.name or f"tm.node.{uuid.uuid4().hex}"
         await self._declare(name, durable=False, exclusive=True, auto_delete=True,

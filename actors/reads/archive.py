@@ -1,0 +1,227 @@
+"""The public archive as the fronts and the CLI read it (SPEC §5): status, segments, checkpoints and
+inclusion proofs. Front-neutral: queries and plain values, no HTTP.
+
+Only the public stream (0) is ever read here: nothing in this module can answer with a private
+segment, a private checkpoint or a private record.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from actors.reads.corpus import ARCHIVE_PATH
+from infra.archive_store import ArchiveStore, ObjectNotFound
+from infra.db.pool import Target, connection
+from protocol.archive import Stream, event_body, public_key_key, segment_key
+from protocol.merkle import CompactTree, inclusion_ranges, leaf_hash
+
+#: Where the web front serves the public archive's parts.
+SEGMENTS_PATH = ARCHIVE_PATH + "/segments"
+CHECKPOINTS_PATH = ARCHIVE_PATH + "/checkpoints"
+PROOF_PATH = ARCHIVE_PATH + "/proof"
+#: Segments listed by the status, most recent last (older ones are in the manifest).
+STATUS_SEGMENTS = 1000
+#: Leaves read per query while computing a proof.
+_PROOF_PAGE = 1000
+#: ``<index>-<first>-<last>``, as in the store's keys.
+SEGMENT_NAME = re.compile(r"(?P<index>[0-9]{10})-(?P<first>[0-9]{19})-(?P<last>[0-9]{19})")
+
+_PUBLIC = int(Stream.PUBLIC)
+
+
+@dataclass(frozen=True, slots=True)
+class Watermarks:
+    """The highest sequence in a written (archived), a verified and a published segment (0: none)."""
+
+    archived_through: int
+    verified_through: int
+    published_through: int
+
+
+async def watermarks(target: Target, stream: Stream = Stream.PUBLIC) -> Watermarks:
+    """The stream's watermarks."""
+    async with connection(target) as conn:
+        row = await conn.fetchrow("select archived_through, verified_through, published_through "
+                                  "from archive_watermarks where stream = $1", int(stream))
+    if row is None:
+        return Watermarks(0, 0, 0)
+    return Watermarks(row["archived_through"], row["verified_through"], row["published_through"])
+
+
+def segment_json(row: Any) -> dict[str, Any]:
+    """One segment as the archive status lists it."""
+    out: dict[str, Any] = {"index": row["segment_index"], "first_sequence": row["first_sequence"],
+                           "last_sequence": row["last_sequence"], "event_count": row["event_count"],
+                           "state": row["state"]}
+    if row["hash"] is not None:
+        out["size"] = row["size"]
+        out["hash"] = bytes(row["hash"]).hex()
+        out["name"] = f"{row['segment_index']:010d}-{row['first_sequence']:019d}-{row['last_sequence']:019d}"
+    return out
+
+
+async def archive_status(target: Target, store: ArchiveStore | None, lineage: str) -> dict[str, Any]:
+    """``GET /corpus/archive``'s body: segments, latest checkpoint, public key and watermarks."""
+    async with connection(target) as conn:
+        rows = await conn.fetch(
+            "select * from (select segment_index, first_sequence, last_sequence, event_count, state, size, hash "
+            "from archive_segments where stream = $1 order by segment_index desc limit $2) as recent "
+            "order by segment_index", _PUBLIC, STATUS_SEGMENTS)
+        count = await conn.fetchval("select count(*) from archive_segments where stream = $1", _PUBLIC)
+        checkpoint = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
+                                         "order by tree_size desc limit 1", _PUBLIC)
+        head = await conn.fetchval("select coalesce(max(sequence), 0) from changes")
+    marks = await watermarks(target)
+    lag = await archive_lag(target, marks.verified_through)
+    return {
+        "lineage": lineage,
+        "segments": [segment_json(r) for r in rows],
+        "segment_count": count,
+        "checkpoint": checkpoint["note"] if checkpoint is not None else None,
+        "tree_size": checkpoint["tree_size"] if checkpoint is not None else 0,
+        "public_key": await public_key(store, lineage),
+        "archived_through": marks.archived_through,
+        "verified_through": marks.verified_through,
+        "published_through": marks.published_through,
+        "head_sequence": head,
+        "lag_events": lag,
+        "links": {"manifest": f"{SEGMENTS_PATH}/", "checkpoints": f"{CHECKPOINTS_PATH}/",
+                  "proof": PROOF_PATH},
+    }
+
+
+async def archive_lag(target: Target, verified_through: int | None = None, cap: int = 100_000) -> int:
+    """Committed changes above the verified watermark (counted up to ``cap``)."""
+    async with connection(target) as conn:
+        if verified_through is None:
+            verified_through = int(await conn.fetchval(
+                "select coalesce((select verified_through from archive_watermarks where stream = 0), 0)"))
+        return int(await conn.fetchval(
+            "select count(*) from (select 1 from changes where sequence > $1 limit $2) as behind",
+            verified_through, cap))
+
+
+async def public_key(store: ArchiveStore | None, lineage: str) -> str | None:
+    """The checkpoint signer's verifier key as published in the store, or None before the archiver
+    published it (or without a store)."""
+    if store is None:
+        return None
+    try:
+        return (await store.get(public_key_key(uuid.UUID(lineage)), max_bytes=4096)).decode().strip()
+    except ObjectNotFound:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """A verified public segment: where it is and what it must hash to."""
+
+    key: str
+    hash: bytes
+    size: int
+
+
+async def find_segment(target: Target, lineage: str, name: str) -> SegmentRef | None:
+    """The verified (or published) public segment named ``name``, or None (unknown, malformed, not
+    verified yet)."""
+    m = SEGMENT_NAME.fullmatch(name)
+    if m is None:
+        return None
+    index, first, last = int(m["index"]), int(m["first"]), int(m["last"])
+    async with connection(target) as conn:
+        row = await conn.fetchrow(
+            "select hash, size from archive_segments where stream = $1 and segment_index = $2 "
+            "and first_sequence = $3 and last_sequence = $4 and state in ('verified', 'published')",
+            _PUBLIC, index, first, last)
+    if row is None:
+        return None
+    return SegmentRef(segment_key(uuid.UUID(lineage), index, first, last, Stream.PUBLIC), bytes(row["hash"]),
+                      row["size"])
+
+
+async def checkpoint_note(target: Target, size: int) -> str | None:
+    """The signed public checkpoint of tree size ``size``, or None."""
+    async with connection(target) as conn:
+        return await conn.fetchval("select note from archive_checkpoints where stream = $1 and tree_size = $2",
+                                   _PUBLIC, size)
+
+
+@dataclass(frozen=True, slots=True)
+class InclusionProof:
+    """Leaf ``leaf_index`` (the change ``sequence``) of the public tree of size ``tree_size``."""
+
+    sequence: int
+    leaf_index: int
+    tree_size: int
+    leaf_hash: bytes
+    path: list[bytes]
+    checkpoint: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sequence": self.sequence, "leaf_index": self.leaf_index, "tree_size": self.tree_size,
+                "leaf_hash": self.leaf_hash.hex(), "proof": [p.hex() for p in self.path],
+                "checkpoint": self.checkpoint}
+
+
+class ProofUnavailable(Exception):
+    """No proof: ``reason`` says which of sequence and size is not in the published archive."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(reason)
+        self.field = field
+
+
+async def inclusion_proof(target: Target, sequence: int, size: int | None) -> InclusionProof:
+    """The audit path of change ``sequence`` in the published tree of ``size`` events (None: the
+    latest checkpoint). Streams the leaves from the change history in pages; memory is O(log size)."""
+    async with connection(target) as conn:
+        if size is None:
+            cp = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
+                                     "order by tree_size desc limit 1", _PUBLIC)
+        else:
+            cp = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
+                                     "and tree_size = $2", _PUBLIC, size)
+        if cp is None:
+            raise ProofUnavailable("size", "no published checkpoint has this tree size")
+        size = int(cp["tree_size"])
+        last = await conn.fetchval("select last_sequence from archive_segments where stream = $1 and tree_size = $2",
+                                   _PUBLIC, size)
+        seg = await conn.fetchrow(
+            "select first_sequence, tree_size - event_count as offset_ from archive_segments where stream = $1 "
+            "and first_sequence <= $2 and last_sequence >= $2 and tree_size <= $3", _PUBLIC, sequence, size)
+        if seg is None or last is None:
+            raise ProofUnavailable("sequence", "this sequence is not in the archived tree of that size")
+        before = await conn.fetchval("select count(*) from changes where sequence >= $1 and sequence < $2",
+                                     seg["first_sequence"], sequence)
+        present = await conn.fetchval("select 1 from changes where sequence = $1", sequence)
+        if present is None:
+            raise ProofUnavailable("sequence", "no change has this sequence")
+        index = int(seg["offset_"]) + int(before)
+        ranges = inclusion_ranges(index, size)
+        trees = [CompactTree() for _ in ranges]
+        # Ranges sorted by start, to find each leaf's range while streaming in order.
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+        position, after, cursor, leaf = 0, 0, 0, b""
+        while position < size:
+            rows = await conn.fetch("select sequence, event from changes where sequence > $1 and sequence <= $2 "
+                                    "order by sequence limit $3", after, last, _PROOF_PAGE)
+            if not rows:
+                break
+            for row in rows:
+                h = leaf_hash(event_body(orjson.loads(row["event"])))
+                if position == index:
+                    leaf = h
+                else:
+                    while ranges[order[cursor]][1] <= position:
+                        cursor += 1
+                    trees[order[cursor]].append_hash(h)
+                position += 1
+            after = rows[-1]["sequence"]
+    if position != size:
+        raise ProofUnavailable("size", "the change history no longer holds this tree")
+    return InclusionProof(sequence, index, size, leaf, [t.root() for t in trees], cp["note"])

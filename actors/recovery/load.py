@@ -1,0 +1,165 @@
+"""Writing archived (or followed) change events back into a corpus database: shared by restore and mirror.
+
+:class:`HistoryLoader` turns event envelopes into the rows the corpus writer writes for them
+(conversations, messages, relationships, retractions, the active-relationship index and the change
+rows with their original sequences), one run of events at a time; the read models follow from the
+change rows' trigger. :func:`ensure_authors` gives a mirror, which has no agent register, one row
+per author named in the events, with a credential hash nobody can match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from datetime import UTC, datetime
+from typing import Any
+
+from protocol import representations as rep
+from protocol.corpus import canonical_json
+from protocol.errors import ToastMachineError
+
+
+class LoadRefused(ToastMachineError):
+    """An event cannot be written: it names another corpus, has an unknown type, or breaks a rule."""
+
+
+def _time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+class HistoryLoader:
+    """Writes change events (original sequences) as the corpus writer would have written their rows.
+
+    Args:
+        conn: a connection inside the caller's transaction.
+        corpus_id: every event must name this corpus.
+        lineage: stamped into every stored event (a restore's fresh one; a mirror's source's).
+    """
+
+    def __init__(self, conn: Any, corpus_id: str, lineage: str) -> None:
+        self.conn = conn
+        self.corpus_id = corpus_id
+        self.lineage = lineage
+        self.counts = {"changes": 0, "conversations": 0, "messages": 0, "relationships": 0, "retractions": 0}
+        self.last_sequence = 0
+
+    async def segment(self, events: list[tuple[int, dict[str, Any]]]) -> None:
+        """Write one run of events (ascending sequences after every one written before)."""
+        conversations, messages, relationships, retractions = [], [], [], []
+        for sequence, envelope in events:
+            if envelope.get("corpus_id") != self.corpus_id or envelope.get("sequence") != sequence:
+                raise LoadRefused(f"archived change {sequence} names another corpus or sequence")
+            data, kind = envelope["data"], envelope["type"]
+            if kind == rep.CONVERSATION_CREATED:
+                c = data["conversation"]
+                conversations.append((c["id"], c["subject"], c["author"]["agent_id"], c["root_message_id"],
+                                      envelope["partition"], _time(c["created_at"])))
+            if kind in (rep.CONVERSATION_CREATED, rep.MESSAGE_APPENDED):
+                m = data["message"]
+                payload = canonical_json(m["payload"]).decode() if "payload" in m else None
+                messages.append((m["id"], m["conversation_id"], m["author"]["agent_id"], m["kinds"], m.get("content"),
+                                 payload, m.get("schema_name"), m.get("schema_version"), m.get("reply_to"),
+                                 m["tags"], [x["agent_id"] for x in m["mentions"]], _time(m["created_at"])))
+            elif kind == rep.RELATIONSHIP_ASSERTED:
+                r = data["relationship"]
+                relationships.append((r["id"], r["type"], r["source_message_id"], r["target_message_id"],
+                                      r["author"]["agent_id"], envelope["partition"], _time(r["created_at"])))
+            elif kind == rep.RELATIONSHIP_RETRACTED:
+                x = data["retraction"]
+                retractions.append((x["id"], x["relationship_id"], _time(x["created_at"])))
+        conn = self.conn
+        if conversations:
+            # COPY, like the seeder: one round trip per table and segment (foreign keys are checked
+            # at the end of the statement, so a reply may follow its parent within the same COPY).
+            await conn.copy_records_to_table("conversations", records=conversations, columns=(
+                "id", "subject", "author_id", "root_message_id", "partition", "created_at"))
+        if messages:
+            await conn.copy_records_to_table("messages", records=messages, columns=(
+                "id", "conversation_id", "author_id", "kinds", "content", "payload", "schema_name", "schema_version",
+                "reply_to", "tags", "mention_ids", "created_at"))
+        if relationships:
+            await conn.copy_records_to_table("relationships", records=relationships, columns=(
+                "id", "type", "source_message_id", "target_message_id", "author_id", "partition", "created_at"))
+        if retractions:
+            # Only the assertion's author may retract: the retraction's author is the relationship's.
+            await conn.executemany(
+                "insert into retractions (id, relationship_id, author_id, created_at) "
+                "select $1, r.id, r.author_id, $3 from relationships r where r.id = $2", retractions)
+            await conn.execute("delete from active_relationships where relationship_id = any($1::uuid[])",
+                               [x[1] for x in retractions])
+        if relationships:
+            # The index of active assertions after this segment: its assertions not retracted by now
+            # (built once per segment, so a retract-then-assert-again inside it cannot collide).
+            await conn.execute(
+                "insert into active_relationships (source_message_id, target_message_id, type, author_id, "
+                "relationship_id) select r.source_message_id, r.target_message_id, r.type, r.author_id, r.id "
+                "from relationships r where r.id = any($1::uuid[]) "
+                "and not exists (select 1 from retractions x where x.relationship_id = r.id)",
+                [r[0] for r in relationships])
+        await self._changes(events)
+        self.counts["conversations"] += len(conversations)
+        self.counts["messages"] += len(messages)
+        self.counts["relationships"] += len(relationships)
+        self.counts["retractions"] += len(retractions)
+
+    async def _changes(self, events: list[tuple[int, dict[str, Any]]]) -> None:
+        columns: list[list[Any]] = [[] for _ in range(9)]
+        for sequence, envelope in events:
+            data, kind = envelope["data"], envelope["type"]
+            message_id = relationship_id = retraction_id = None
+            if kind == rep.CONVERSATION_CREATED:
+                conversation_id, author_id = data["conversation"]["id"], data["conversation"]["author"]["agent_id"]
+                message_id = data["message"]["id"]
+            elif kind == rep.MESSAGE_APPENDED:
+                conversation_id, author_id = data["message"]["conversation_id"], data["message"]["author"]["agent_id"]
+                message_id = data["message"]["id"]
+            elif kind == rep.RELATIONSHIP_ASSERTED:
+                relationship_id, conversation_id = data["relationship"]["id"], None
+                author_id = data["relationship"]["author"]["agent_id"]
+            elif kind == rep.RELATIONSHIP_RETRACTED:
+                retraction_id, conversation_id, author_id = data["retraction"]["id"], None, None
+            else:
+                raise LoadRefused(f"archived change {sequence} has an unknown type")
+            restamped = {**envelope, "lineage": self.lineage}
+            for column, value in zip(columns, (sequence, kind, envelope["partition"], conversation_id, author_id,
+                                               message_id, relationship_id, retraction_id,
+                                               rep.dumps(restamped).decode()), strict=True):
+                column.append(value)
+            self.last_sequence = sequence
+        # An assertion's conversation is its source message's; a retraction's conversation and
+        # author are its assertion's: looked up from the rows just written, in the same statement.
+        await self.conn.execute(
+            "insert into changes (sequence, type, partition, conversation_id, author_id, message_id, "
+            "relationship_id, retraction_id, occurred_at, event) "
+            "select e.sequence, e.type, e.partition,"
+            " coalesce(e.conversation_id, m.conversation_id, rm.conversation_id),"
+            " coalesce(e.author_id, rr.author_id), e.message_id, e.relationship_id, e.retraction_id,"
+            " (e.event::json ->> 'occurred_at')::timestamptz, e.event"
+            " from unnest($1::bigint[], $2::text[], $3::smallint[], $4::uuid[], $5::uuid[], $6::uuid[], $7::uuid[],"
+            " $8::uuid[], $9::text[]) as e(sequence, type, partition, conversation_id, author_id, message_id,"
+            " relationship_id, retraction_id, event)"
+            " left join relationships r on r.id = e.relationship_id left join messages m on m.id = r.source_message_id"
+            " left join retractions x on x.id = e.retraction_id left join relationships rr on rr.id = x.relationship_id"
+            " left join messages rm on rm.id = rr.source_message_id"
+            " order by e.sequence", *columns)
+        self.counts["changes"] += len(events)
+
+
+async def ensure_authors(conn: Any, events: list[tuple[int, dict[str, Any]]]) -> None:
+    """Insert an agent row for each author of ``events`` not yet known (a mirror's register).
+
+    The name is the one the events show; the credential hash is SHA-256 of random bytes, so no
+    credential authenticates as anyone on a mirror: it is read-only by construction.
+    """
+    authors: dict[str, tuple[str, datetime]] = {}
+    for _, envelope in events:
+        for item in envelope["data"].values():
+            author = item.get("author") if isinstance(item, dict) else None
+            if author is not None and author["agent_id"] not in authors:
+                authors[author["agent_id"]] = (author["name"], _time(envelope["occurred_at"]))
+    if authors:
+        await conn.executemany(
+            "insert into agents (agent_id, name, credential_hash, created_at) values ($1, $2, $3, $4) "
+            "on conflict do nothing",
+            [(agent_id, name, hashlib.sha256(os.urandom(32)).digest(), created)
+             for agent_id, (name, created) in authors.items()])

@@ -1,0 +1,304 @@
+"""``archive restore``: a real corpus written over HTTP, archived, restored into an empty database and
+served again by a real web front and writer, on both backend pairs (embedded PostgreSQL with the
+in-process bus; PostgreSQL with RabbitMQ) and on a directory store and SeaweedFS.
+
+The restored corpus must be the same corpus under a fresh lineage: ``snapshot.jsonl`` and
+``changes.jsonl`` equal apart from the lineage, the same Merkle root, every agent's old credential
+accepted, an old write retried with its old token answered from the stored record (no second
+effect), new writes after the highest sequence, and ``GET /corpus`` naming the parent lineage and the
+checkpoint. Restoring into a non-empty database, or from a tampered archive, writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import obstore
+import orjson
+import pytest
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+from actors.recovery.restore import RestoreRefused, restore_archive
+from actors.recovery.verify import verify_archive
+from actors.recovery.walk import StoreSource
+from infra.archive_store import ArchiveStore
+from infra.db import Database, apply_migrations
+from protocol.archive import Stream, event_body, segment_key
+from protocol.merkle import leaf_hash, tree_root
+from tests.archive_fixtures import Archived, archive_database, archiver_caught_up, archiving, raw_store
+from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
+from tests.db_fixtures import fresh_database
+from tests.s3_server import S3Server
+
+
+@pytest.fixture(params=["directory", "seaweedfs"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
+    if request.param == "directory":
+        return ArchiveStore.local(tmp_path / "archive")
+    server: S3Server = request.getfixturevalue("s3_server")
+    return server.store()
+
+
+async def _read(stack: Stack, path: str) -> bytes:
+    resp = await stack.client.get(path)
+    assert resp.status == 200, await resp.text()
+    return await resp.read()
+
+
+async def _read_as(stack: Stack, path: str, agent: Agent) -> bytes:
+    resp = await stack.client.get(path, headers=agent.headers())
+    assert resp.status == 200, await resp.text()
+    return await resp.read()
+
+
+def _without_lineage(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in e.items() if k != "lineage"} for e in events]
+
+
+async def _changes(stack: Stack) -> list[dict[str, Any]]:
+    body = await _read(stack, "/corpus/changes.jsonl?limit=10000")
+    return [orjson.loads(line) for line in body.splitlines()]
+
+
+@dataclass
+class Parent:
+    """The archived history a restore starts from: its identity, tree size and root."""
+
+    lineage: uuid.UUID
+    corpus_id: uuid.UUID
+    size: int
+    root: bytes
+
+
+class Original:
+    """What the test remembers of the original corpus."""
+
+    def __init__(self) -> None:
+        self.agents: list[Agent] = []
+        self.me: list[dict[str, Any]] = []
+        self.retry: tuple[Agent, str, str, dict[str, Any]] | None = None
+        self.retry_answer: Any = None
+        self.snapshot = b""
+        self.changes: list[dict[str, Any]] = []
+        self.head = 0
+
+
+async def _write_history(stack: Stack, original: Original) -> None:
+    """Every change type, a reply, a mention, payloads, a retraction and a re-assertion after it."""
+    alice = await stack.register("alice-restored")
+    bob = await stack.register("bob-restored")
+    carol = await stack.register("carol-restored", onboard=False)
+    original.agents = [alice, bob, carol]
+    first = await stack.conversation(alice, "restorable", content="hello @bob-restored #archive")
+    cid, root = first["conversation"]["id"], first["message"]["id"]
+    token = str(uuid.uuid4())
+    body = {"content": "a claim worth keeping", "kinds": ["claim"], "reply_to": root,
+            "payload": {"confidence": 0.25, "n": [1, 2.5, None]}}
+    reply = await stack.post(bob, f"/conversations/{cid}/messages", body, token=token)
+    assert reply.status == 201, reply.body
+    original.retry = (bob, f"/conversations/{cid}/messages", token, body)
+    original.retry_answer = reply.body
+    claim = reply.body["message"]["id"]
+    for n in range(8):
+        await stack.message(alice if n % 2 else bob, cid, content=f"message {n} #n{n % 3}")
+    second = await stack.conversation(bob, "second", payload=None)
+    assertion = {"type": "supports", "source_message_id": second["message"]["id"], "target_message_id": claim}
+    rel = await stack.post(bob, "/relationships", assertion)
+    assert rel.status == 201, rel.body
+    assert (await stack.post(bob, f"/relationships/{rel.body['relationship']['id']}/retractions")).status == 201
+    again = await stack.post(bob, "/relationships", assertion)  # the same assertion, active again
+    assert again.status == 201, again.body
+    other = await stack.post(alice, "/relationships", {"type": "contradicts", "source_message_id": root,
+                                                      "target_message_id": claim})
+    assert other.status == 201, other.body
+    for agent in original.agents:
+        original.me.append(orjson.loads(await _read_as(stack, "/me", agent)))
+    assert [m["onboarded"] for m in original.me] == [True, True, False]
+    original.snapshot = await _read(stack, "/corpus/snapshot.jsonl")
+    original.changes = await _changes(stack)
+    original.head = original.changes[-1]["sequence"]
+
+
+async def _restore(store: ArchiveStore, archived: Archived, dsn: str) -> dict[str, Any]:
+    db = await Database.connect(dsn, min_size=1, max_size=2)
+    try:
+        await apply_migrations(db)
+        report = await restore_archive(StoreSource(store), archived.lineage, db, trusted=archived.key.verifier())
+        return report.to_json()
+    finally:
+        await db.close()
+
+
+async def test_restore_round_trip(stack_backends: tuple[str | None, str], store: ArchiveStore) -> None:
+    amqp_url, server = stack_backends
+    original = Original()
+    async with fresh_database(server) as source_dsn:
+        async with running_stack(source_dsn, amqp_url, STACK_ENV) as stack:
+            await _write_history(stack, original)
+            archived = await archive_database(stack.db, store, per_segment=4)
+            parent = stack.identity.lineage
+        async with fresh_database(server) as dsn:
+            report = await _restore(store, archived, dsn)
+            assert report["provenance"] == {"parent_lineage": str(parent), "checkpoint_size": archived.size,
+                                            "checkpoint_root": archived.root.hex()}
+            assert report["restored_through"] == original.head
+            assert report["counts"]["changes"] == len(original.changes) == archived.size
+            assert report["counts"]["agents"] == 3 and report["counts"]["changes_without_operation_record"] == 0
+            async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
+                parent_history = Parent(archived.lineage, archived.corpus_id, archived.size, archived.root)
+                await _check_restored(restored, original, parent_history, report)
+
+
+async def _check_restored(restored: Stack, original: Original, archived: Parent, report: dict[str, Any]) -> None:
+    new_lineage = str(restored.identity.lineage)
+    assert new_lineage == report["lineage"] != str(archived.lineage)
+    assert restored.identity.corpus_id == archived.corpus_id
+    # The same state and history, apart from the lineage.
+    assert await _read(restored, "/corpus/snapshot.jsonl") == original.snapshot
+    changes = await _changes(restored)
+    assert {e["lineage"] for e in changes} == {new_lineage}
+    assert _without_lineage(changes) == _without_lineage(original.changes)
+    # The same Merkle root: the restored events, stamped back with the parent lineage, are the leaves.
+    leaves = [leaf_hash(event_body({**e, "lineage": str(archived.lineage)})) for e in changes]
+    assert tree_root(leaves) == archived.root
+    # Provenance on GET /corpus.
+    resp = await restored.client.get("/corpus")
+    info = await resp.json()
+    assert info["lineage"] == new_lineage
+    assert info["provenance"]["parent_lineage"] == str(archived.lineage)
+    assert info["provenance"]["checkpoint_size"] == archived.size
+    assert info["provenance"]["checkpoint_root"] == archived.root.hex()
+    # The body, provenance included, is what /openapi.json documents.
+    doc = await (await restored.client.get("/openapi.json")).json()
+    registry: Registry[Any] = Registry().with_resource("urn:openapi", Resource.from_contents(
+        doc, default_specification=DRAFT202012))
+    errors = list(jsonschema.Draft202012Validator({"$ref": "urn:openapi#/components/schemas/CorpusInfo"},
+                                                  registry=registry).iter_errors(info))
+    assert not errors, [e.message for e in errors]
+    page = await restored.client.get("/corpus", headers={"Accept": "text/html"})
+    html = await page.text()
+    assert page.status == 200 and "restored from lineage" in html and str(archived.lineage) in html
+    # Every agent keeps its credential, its onboarding state and its activity.
+    for agent, before in zip(original.agents, original.me, strict=True):
+        resp = await restored.client.get("/me", headers=agent.headers())
+        assert resp.status == 200, await resp.text()
+        assert await resp.json() == before
+    # An old write retried with its old token is answered from the stored record: no second effect.
+    assert original.retry is not None
+    who, path, token, body = original.retry
+    again = await restored.post(who, path, body, token=token)
+    assert again.status == 201 and again.body == original.retry_answer
+    assert (await _changes(restored))[-1]["sequence"] == original.head
+    # A new write continues after the highest restored sequence.
+    cid = original.retry_answer["message"]["conversation_id"]
+    fresh = await restored.message(original.agents[0], cid, content="after the restore")
+    assert fresh["message"]["sequence"] > original.head
+    # Nothing was republished: the publisher's cursor starts at the restored head.
+    assert await restored.db.pool.fetchval("select sequence from publisher_cursor") == original.head
+
+
+async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    """Load, archive with the real archiver, verify, restore: the same corpus under a fresh lineage."""
+    amqp_url, server = stack_backends
+    original = Original()
+    store = ArchiveStore.local(tmp_path / "archive")
+    async with fresh_database(server) as source_dsn:
+        async with running_stack(source_dsn, amqp_url, STACK_ENV) as stack:
+            await _write_history(stack, original)
+            async with archiving(stack, store):
+                await archiver_caught_up(stack)
+            verified = await verify_archive(StoreSource(store), stack.identity.lineage, db=stack.db)
+            assert verified.ok, verified.to_json()
+            assert verified.private is not None and verified.private["records_checked"] > 0
+            parent = Parent(stack.identity.lineage, stack.identity.corpus_id, verified.archive.tree_size,
+                            bytes.fromhex(verified.archive.root or ""))
+        async with fresh_database(server) as dsn:
+            db = await Database.connect(dsn, min_size=1, max_size=2)
+            try:
+                await apply_migrations(db)
+                report = (await restore_archive(StoreSource(store), parent.lineage, db)).to_json()
+            finally:
+                await db.close()
+            async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
+                await _check_restored(restored, original, parent, report)
+                # The restored node archives its own lineage, naming the parent, and that verifies.
+                second = ArchiveStore.local(tmp_path / "restored-archive")
+                async with archiving(restored, second):
+                    await archiver_caught_up(restored)
+                again = await verify_archive(StoreSource(second), restored.identity.lineage, db=restored.db)
+                assert again.ok, again.to_json()
+                assert again.archive.parent_lineage == parent.lineage
+
+
+async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
+        db: Database, database_server: str, tmp_path: Path) -> None:
+    from toastmachine.seed import seed_corpus
+
+    await seed_corpus(db, messages=12, agents=6, random_seed=3)  # two private segments
+    store = ArchiveStore.local(tmp_path / "archive")
+    archived = await archive_database(db, store)
+    trusted = archived.key.verifier()
+    # Into the very database it came from: refused, nothing written.
+    before = await db.pool.fetchval("select count(*) from changes")
+    with pytest.raises(RestoreRefused, match="not empty"):
+        await restore_archive(StoreSource(store), archived.lineage, db, trusted=trusted)
+    assert await db.pool.fetchval("select count(*) from changes") == before
+    # From a tampered archive (a byte flipped in the last public segment, or a private segment
+    # missing): refused after reading, and the empty database stays empty.
+    last = archived.segment_key(len(archived.segments) - 1)
+    data = await store.get(last)
+    async with fresh_database(database_server) as dsn:
+        target = await Database.connect(dsn, min_size=1, max_size=2)
+        try:
+            await apply_migrations(target)
+            await obstore.put_async(raw_store(store), last, data[:100] + bytes([data[100] ^ 1]) + data[101:])
+            with pytest.raises(RestoreRefused) as refused:
+                await restore_archive(StoreSource(store), archived.lineage, target, trusted=trusted)
+            assert "crc_mismatch" in {f.kind for f in refused.value.findings}
+            await obstore.put_async(raw_store(store), last, data)
+            private = [o.key async for o in store.list(f"{archived.lineage}/private/segments")]
+            await obstore.delete_async(raw_store(store), min(private))
+            with pytest.raises(RestoreRefused) as refused:
+                await restore_archive(StoreSource(store), archived.lineage, target, trusted=trusted)
+            assert "missing_segment" in {f.kind for f in refused.value.findings}
+            for table in ("corpus_witness", "agents", "changes", "operations", "corpus_provenance"):
+                assert await target.pool.fetchval(f"select count(*) from {table}") == 0, table
+        finally:
+            await target.close()
+    assert segment_key(archived.lineage, 0, 1, 1, Stream.PRIVATE).startswith(f"{archived.lineage}/private/")
+
+
+async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) -> None:
+    """``toastmachine archive restore --from DIR`` into an empty database, then again: refused."""
+    from toastmachine.seed import seed_corpus
+
+    source = await Database.connect(database_url, min_size=1, max_size=2)
+    try:
+        await apply_migrations(source)
+        await seed_corpus(source, messages=10, agents=2, random_seed=5)
+        archived = await archive_database(source, ArchiveStore.local(tmp_path / "archive"))
+    finally:
+        await source.close()
+    async with fresh_database(database_url) as dsn:
+        env = {**os.environ, "TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data"),
+               "TOASTMACHINE_ARCHIVE_SIGNING_KEY": archived.key.text()}
+        for expected in (0, 1):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "toastmachine.cli", "archive", "restore", "--from", str(tmp_path / "archive"),
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == expected, (out, err)
+            if expected == 0:
+                report = orjson.loads(out)
+                assert report["provenance"]["parent_lineage"] == str(archived.lineage)
+                assert report["provenance"]["checkpoint_root"] == archived.root.hex()
+            else:
+                assert b"not empty" in err and archived.key.text().encode() not in err + out

@@ -1,0 +1,140 @@
+"""The public archive on the web front: status (JSON and HTML), segment bytes with immutable caching
+and the hash as ETag, checkpoints, inclusion proofs that verify against the signed checkpoint, the
+boundaries in GET /corpus and /readyz, and nothing of the private stream ever served."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from actors.archiver import SealPolicy
+from actors.web.archive import ARCHIVE_STORE
+from protocol.archive import Stream, decode_segment
+from protocol.checkpoint import parse_verifier_key, verify_checkpoint
+from protocol.merkle import verify_inclusion
+from tests.corpus_fixtures import Stack
+from tests.test_archiver import archiving, local, published, segments, signer_for, until, write_messages
+
+
+async def archived(stack: Stack, tmp_path: Path, messages: int = 5) -> list[int]:
+    """Write ``messages`` changes and archive them in segments of 2 (the odd last one stays out)."""
+    store = local(tmp_path)
+    stack.client.app[ARCHIVE_STORE]["store"] = store  # the web node reads the archiver's store
+    sequences = await write_messages(stack, messages)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer_for(stack)):
+        await published(stack, messages // 2)
+    return sequences
+
+
+async def test_archive_status_lists_segments_checkpoint_key_and_boundaries(stack: Stack, tmp_path: Path) -> None:
+    sequences = await archived(stack, tmp_path)
+    resp = await stack.client.get("/corpus/archive")
+    assert resp.status == 200 and resp.headers["Cache-Control"] == "no-store"
+    body = await resp.json()
+    assert [(s["index"], s["first_sequence"], s["last_sequence"], s["state"]) for s in body["segments"]] == [
+        (0, sequences[0], sequences[1], "published"), (1, sequences[2], sequences[3], "published")]
+    assert body["archived_through"] == body["verified_through"] == sequences[3]
+    assert body["lag_events"] == 1 and body["tree_size"] == 4
+    checkpoint = verify_checkpoint(body["checkpoint"], parse_verifier_key(body["public_key"]))
+    assert checkpoint.size == 4
+    html = await stack.client.get("/corpus/archive", headers={"Accept": "text/html"})
+    page = await html.text()
+    assert html.status == 200 and body["segments"][0]["name"] in page and "Latest checkpoint" in page
+    md = await stack.client.get("/corpus/archive", headers={"Accept": "text/markdown"})
+    assert md.status == 200 and body["segments"][1]["hash"] in await md.text()
+
+    corpus = await (await stack.client.get("/corpus")).json()
+    assert corpus["archive"] == {"archived_through": sequences[3], "verified_through": sequences[3]}
+    assert corpus["links"]["archive"] == "/corpus/archive"
+    ready = await (await stack.client.get("/readyz")).json()
+    assert ready["checks"]["archive"]["verified_through"] == sequences[3]
+
+
+async def test_segments_are_served_immutable_with_their_hash_as_etag(stack: Stack, tmp_path: Path) -> None:
+    await archived(stack, tmp_path)
+    status = await (await stack.client.get("/corpus/archive")).json()
+    seg = status["segments"][1]
+    resp = await stack.client.get(f"/corpus/archive/segments/{seg['name']}")
+    data = await resp.read()
+    assert resp.status == 200 and resp.headers["Content-Type"] == "application/octet-stream"
+    assert resp.headers["ETag"] == f'"{seg["hash"]}"' and "immutable" in resp.headers["Cache-Control"]
+    assert hashlib.sha256(data[:-32]).hexdigest() == seg["hash"]
+    assert decode_segment(data).index == 1
+    again = await stack.client.get(f"/corpus/archive/segments/{seg['name']}",
+                                   headers={"If-None-Match": resp.headers["ETag"]})
+    assert again.status == 304
+    note = await stack.client.get(f"/corpus/archive/checkpoints/{status['tree_size']}")
+    assert note.status == 200 and await note.text() == status["checkpoint"]
+
+
+async def test_a_tampered_segment_is_not_served(stack: Stack, tmp_path: Path) -> None:
+    await archived(stack, tmp_path)
+    status = await (await stack.client.get("/corpus/archive")).json()
+    seg = status["segments"][0]
+    path = tmp_path / "archive" / status["lineage"] / "segments" / seg["name"]
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    resp = await stack.client.get(f"/corpus/archive/segments/{seg['name']}")
+    assert resp.status == 503 and (await resp.json())["error"]["code"]
+
+
+async def test_inclusion_proofs_verify_against_the_signed_root(stack: Stack, tmp_path: Path) -> None:
+    sequences = await archived(stack, tmp_path, messages=9)
+    status = await (await stack.client.get("/corpus/archive")).json()
+    checkpoint = verify_checkpoint(status["checkpoint"], parse_verifier_key(status["public_key"]))
+    for position, sequence in enumerate(sequences[:8]):
+        for size in (None, 4) if position < 4 else (None,):
+            query = f"?sequence={sequence}" + (f"&size={size}" if size else "")
+            resp = await stack.client.get(f"/corpus/archive/proof{query}")
+            body = await resp.json()
+            assert resp.status == 200, body
+            assert body["leaf_index"] == position
+            note = body["checkpoint"]
+            root = base64.b64decode(note.split("\n")[2])
+            assert verify_inclusion(bytes.fromhex(body["leaf_hash"]), position, body["tree_size"],
+                                    [bytes.fromhex(p) for p in body["proof"]], root)
+            if size is None:
+                assert root == checkpoint.root
+
+
+@pytest.mark.parametrize("path, status", [
+    ("/corpus/archive/proof", 400),
+    ("/corpus/archive/proof?sequence=abc", 400),
+    ("/corpus/archive/proof?sequence=999999", 404),
+    ("/corpus/archive/proof?sequence=1&size=3", 404),
+    ("/corpus/archive/checkpoints/3", 404),
+    ("/corpus/archive/checkpoints/x", 400),
+    ("/corpus/archive/segments/0000000000-0000000000000000001-0000000000000000002x", 404),
+    ("/corpus/archive?x=1", 400),
+])
+async def test_bad_archive_requests_get_the_error_envelope(stack: Stack, tmp_path: Path, path: str,
+                                                           status: int) -> None:
+    await archived(stack, tmp_path)
+    resp = await stack.client.get(path)
+    body = await resp.json()
+    assert resp.status == status and set(body["error"]) >= {"code", "message", "how_to_proceed"}
+
+
+async def test_the_private_stream_is_never_served(stack: Stack, tmp_path: Path) -> None:
+    await archived(stack, tmp_path)
+
+    async def private_published() -> bool:
+        return any(s["state"] == "published" for s in await segments(stack, Stream.PRIVATE))
+    await until(private_published, what="a private segment")
+    private = (await segments(stack, Stream.PRIVATE))[0]
+    name = f"{private['segment_index']:010d}-{private['first_sequence']:019d}-{private['last_sequence']:019d}"
+    status = await (await stack.client.get("/corpus/archive")).json()
+    public_names = {s.get("name") for s in status["segments"]}
+    for path in (f"/corpus/archive/segments/{name}", f"/corpus/archive/segments/private%2Fsegments%2F{name}",
+                 f"/corpus/archive/private/segments/{name}"):
+        resp = await stack.client.get(path)
+        if name in public_names and path.endswith(f"segments/{name}") and "private" not in path:
+            # Same name as a public segment: what is served is the public one, never the private bytes.
+            data = await resp.read()
+            assert decode_segment(data).stream is Stream.PUBLIC
+        else:
+            assert resp.status == 404

@@ -1,0 +1,326 @@
+"""The archiver actor in the test process, on the write path's two backend pairs and a directory store
+(and SeaweedFS where the store matters): sealing by each rule, deterministic bytes, the safe
+watermark under concurrent writers, single-active standby and take-over, the private stream, a
+store that goes away and comes back, and a store that ignores create-only writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from actors.archiver import Archiver, SealPolicy, active_archiver, application_name
+from infra.archive_keys import archive_origin
+from infra.archive_store import ArchiveStore, CreateOnlyIgnored
+from protocol.archive import (
+    GENESIS_HASH,
+    ArchivedEvent,
+    Stream,
+    checkpoint_key,
+    decode_segment,
+    encode_segment,
+    event_body,
+    manifest_key,
+    parse_segment_key,
+    public_key_key,
+)
+from protocol.archive_private import AgentRecord, OperationRecord, decode_private_record
+from protocol.checkpoint import SignerKey, generate_signer_key, parse_verifier_key, verify_checkpoint
+from protocol.manifest import decode_manifest
+from protocol.merkle import CompactTree
+from tests.corpus_fixtures import Stack
+from tests.s3_server import S3Server, seaweedfs, sloppy_s3
+
+WAIT = 60.0
+
+
+def signer_for(stack: Stack) -> SignerKey:
+    return generate_signer_key(archive_origin(stack.identity.corpus_id))
+
+
+@contextlib.asynccontextmanager
+async def archiving(stack: Stack, store: ArchiveStore, policy: SealPolicy, *, node_id: str = "arch-a",
+                    signer: SignerKey | None = None) -> AsyncIterator[Archiver]:
+    """An archiver on the stack's bus and database, running for the block."""
+    archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store,
+                        signer=signer or signer_for(stack), node_id=node_id, policy=policy,
+                        sweep_interval=0.2, standby_interval=0.2)
+    await archiver.start()
+    try:
+        yield archiver
+    finally:
+        await archiver.stop(grace=2)
+
+
+async def until(condition: Callable[[], Awaitable[Any]], timeout: float = WAIT, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (last: {value!r})")
+        await asyncio.sleep(0.05)
+
+
+async def segments(stack: Stack, stream: Stream = Stream.PUBLIC) -> list[dict[str, Any]]:
+    rows = await stack.db.pool.fetch(
+        "select segment_index, first_sequence, last_sequence, event_count, state, hash from archive_segments "
+        "where stream = $1 order by segment_index", int(stream))
+    return [dict(r) for r in rows]
+
+
+async def published(stack: Stack, count: int, stream: Stream = Stream.PUBLIC) -> list[dict[str, Any]]:
+    """Wait until ``count`` segments of ``stream`` are published; return all its segments."""
+    async def check() -> list[dict[str, Any]] | None:
+        segs = await segments(stack, stream)
+        done = [s for s in segs if s["state"] == "published"]
+        return segs if len(done) >= count else None
+    return await until(check, what=f"{count} published {stream.name.lower()} segments")  # type: ignore[no-any-return]
+
+
+async def write_messages(stack: Stack, n: int, content: str = "hello") -> list[int]:
+    agent = await stack.register()
+    first = await stack.conversation(agent)
+    sequences = [first["sequence"]]
+    for _ in range(n - 1):
+        sequences.append((await stack.message(agent, first["conversation"]["id"], content=content))["sequence"])
+    return sequences
+
+
+async def read_archive(store: ArchiveStore, lineage: uuid.UUID, stream: Stream = Stream.PUBLIC) -> list[Any]:
+    """Every segment of ``stream`` in the store, decoded and checked link by link, in index order."""
+    keys = sorted([o.key async for o in store.list(str(lineage))])
+    parsed = [(k, parse_segment_key(k)) for k in keys]
+    mine = [(k, p) for k, p in parsed if p is not None and p.stream is stream]
+    out = []
+    previous = None
+    for i, (key, _p) in enumerate(mine):
+        seg = decode_segment(await store.get(key), expected_previous_hash=previous, expected_lineage=lineage,
+                             expected_index=i, expected_stream=stream)
+        previous = seg.hash
+        out.append(seg)
+    return out
+
+
+def local(tmp_path: Path) -> ArchiveStore:
+    return ArchiveStore.local(tmp_path / "archive")
+
+
+# --- sealing rules ---------------------------------------------------------------------------------
+
+
+async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpoint(
+        stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    signer = signer_for(stack)
+    sequences = await write_messages(stack, 7)
+    lineage = stack.identity.lineage
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), signer=signer) as archiver:
+        segs = await published(stack, 2)
+        # The 7th event waits for two more (or an hour): the archiver went idle without sealing it.
+        await until(lambda: asyncio.sleep(0, archiver.lag_events == 1), what="the lag to be measured")
+        assert len(await segments(stack)) == 2
+        assert [(s["first_sequence"], s["last_sequence"], s["event_count"]) for s in segs] == [
+            (sequences[0], sequences[2], 3), (sequences[3], sequences[5], 3)]
+    decoded = await read_archive(store, lineage)
+    assert [e.sequence for s in decoded for e in s.events] == sequences[:6]
+    manifest = decode_manifest(await store.get(manifest_key(lineage)))
+    assert [s.hash for s in manifest.segments] == [bytes(s["hash"]).hex() for s in segs]
+    verifier = parse_verifier_key((await store.get(public_key_key(lineage))).decode())
+    checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, 6)), verifier)
+    tree = CompactTree()
+    for s in decoded:
+        for e in s.events:
+            tree.append(e.body)
+    assert (checkpoint.size, checkpoint.root) == (6, tree.root())
+    # Older checkpoints are kept.
+    assert verify_checkpoint(await store.get(checkpoint_key(lineage, 3)), verifier).size == 3
+
+
+async def test_a_segment_seals_when_the_next_event_would_pass_the_byte_limit(stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    await write_messages(stack, 8, content="x" * 700)
+    async with archiving(stack, store, SealPolicy(events=500, bytes=4096, seconds=3600)):
+        segs = await published(stack, 2)
+    decoded = await read_archive(store, stack.identity.lineage)
+    assert all(s.size <= 4096 for s in decoded)
+    assert len(decoded) == len([s for s in segs if s["state"] == "published"]) >= 2
+    # Sealed by size: each one is full, i.e. its successor's first event would not have fitted.
+    for seg, nxt in itertools.pairwise(decoded):
+        assert seg.size + 16 + len(nxt.events[0].body) > 4096
+
+
+async def test_a_partial_segment_seals_after_its_first_event_is_old_enough(stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 2)
+    async with archiving(stack, store, SealPolicy(events=500, seconds=1.0)) as archiver:
+        segs = await published(stack, 1)
+        assert archiver.verified_through.get(Stream.PUBLIC) == sequences[-1]
+    assert [(s["first_sequence"], s["last_sequence"]) for s in segs] == [(sequences[0], sequences[1])]
+
+
+async def test_encoding_a_sealed_range_again_gives_the_same_bytes(stack: Stack, tmp_path: Path) -> None:
+    """The bytes are a function of the events and the previous hash only: re-encoding the sealed
+    range from the database gives the stored object exactly."""
+    store = local(tmp_path)
+    await write_messages(stack, 5)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)):
+        await published(stack, 2)
+    lineage = stack.identity.lineage
+    previous = None
+    for seg in await read_archive(store, lineage):
+        rows = await stack.db.pool.fetch("select sequence, event from changes where sequence between $1 and $2 "
+                                         "order by sequence", seg.first_sequence, seg.last_sequence)
+        again = encode_segment(Stream.PUBLIC, lineage, seg.index, previous or GENESIS_HASH,
+                               [ArchivedEvent(r["sequence"], event_body(orjson.loads(r["event"]))) for r in rows])
+        assert again[-32:] == seg.hash
+        previous = seg.hash
+
+
+async def test_no_segment_skips_a_sequence_under_concurrent_writers(stack: Stack, tmp_path: Path) -> None:
+    """Many writers commit concurrently while the archiver seals tiny segments as fast as it can:
+    the archived sequences are exactly the history's, in order, with no sequence skipped by a
+    segment and committed later below its end."""
+    store = local(tmp_path)
+    agents = [await stack.register() for _ in range(4)]
+    convs = [await stack.conversation(a) for a in agents]
+    async with archiving(stack, store, SealPolicy(events=3, seconds=0.05)):
+        async def writer(i: int) -> None:
+            for _ in range(15):
+                await stack.message(agents[i], convs[i]["conversation"]["id"], content="c")
+        await asyncio.gather(*(writer(i) for i in range(4)))
+        head = int(await stack.db.pool.fetchval("select max(sequence) from changes"))
+
+        async def archived_to_head() -> bool:
+            row = await stack.db.pool.fetchval("select published_through from archive_watermarks where stream = 0")
+            return int(row) >= head
+        await until(archived_to_head, what="the archive to reach the head")
+    history = [r["sequence"] for r in await stack.db.pool.fetch("select sequence from changes order by sequence")]
+    decoded = await read_archive(store, stack.identity.lineage)
+    assert [e.sequence for s in decoded for e in s.events] == history
+
+
+# --- single-active --------------------------------------------------------------------------------
+
+
+async def test_a_second_archiver_stays_standby_and_takes_over_when_the_first_stops(
+        stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    signer = signer_for(stack)
+    await write_messages(stack, 3)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), node_id="first", signer=signer) as first:
+        await published(stack, 1)
+        async with archiving(stack, store, SealPolicy(events=2, seconds=3600), node_id="second",
+                             signer=signer) as second:
+            await asyncio.sleep(0.6)  # three of the standby's lock attempts
+            assert first.active and not second.active
+            assert await active_archiver(stack.db) == application_name("first")
+            await first.stop(grace=2)
+            await until(lambda: asyncio.sleep(0, second.active), what="take-over")
+            assert await active_archiver(stack.db) == application_name("second")
+            await write_messages(stack, 2)
+            await published(stack, 2)
+    decoded = await read_archive(store, stack.identity.lineage)
+    assert [s.index for s in decoded] == [0, 1]
+
+
+# --- private stream --------------------------------------------------------------------------------
+
+
+async def test_the_private_stream_archives_agents_and_stored_answers(stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    agent = await stack.register(onboard=False)
+    await stack.client.get("/guide", headers=agent.headers())
+    reply = await stack.post(agent, "/conversations", {"subject": "s", "content": "c"}, token="tok-private")
+    assert reply.status == 201
+    async with archiving(stack, store, SealPolicy(events=500, seconds=0.2)):
+        async def captured() -> bool:
+            rows = await stack.db.pool.fetch("select kind from archive_private_records")
+            return {r["kind"] for r in rows} == {"agent", "operation"}
+        await until(captured, what="capture")
+
+        async def all_verified() -> bool:
+            pending = await stack.db.pool.fetchval("select count(*) from archive_private_pending")
+            through = await stack.db.pool.fetchval("select published_through from archive_watermarks where stream = 1")
+            head = await stack.db.pool.fetchval("select max(sequence) from archive_private_records")
+            return pending == 0 and through == head
+        await until(all_verified, what="the private stream to be published")
+    records = [decode_private_record(e.body) for s in await read_archive(store, stack.identity.lineage, Stream.PRIVATE)
+               for e in s.events]
+    agents = [r for r in records if isinstance(r, AgentRecord) and str(r.agent_id) == agent.agent_id]
+    assert agents[-1].onboarded_at is not None  # the latest snapshot has the onboarding mark
+    stored = await stack.db.pool.fetchrow("select credential_hash from agents where agent_id = $1",
+                                          uuid.UUID(agent.agent_id))
+    assert agents[-1].credential_hash == bytes(stored["credential_hash"])
+    ops = [r for r in records if isinstance(r, OperationRecord)]
+    assert [(o.token, o.status, o.sequence) for o in ops] == [("tok-private", 201, reply.body["sequence"])]
+    assert orjson.loads(ops[0].response or "null")["sequence"] == reply.body["sequence"]
+    # The private stream is never in the public manifest.
+    manifest = decode_manifest(await store.get(manifest_key(stack.identity.lineage)))
+    private_hashes = {bytes(s["hash"]).hex() for s in await segments(stack, Stream.PRIVATE)}
+    assert private_hashes and not private_hashes & {s.hash for s in manifest.segments}
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+
+async def test_a_store_ignoring_create_only_writes_is_refused_at_start(stack: Stack) -> None:
+    async with sloppy_s3() as sloppy, archiving(stack, sloppy, SealPolicy()) as archiver:
+        error = await asyncio.wait_for(archiver.crashed(), WAIT)
+    assert isinstance(error, CreateOnlyIgnored)
+    assert await segments(stack) == []
+
+
+@pytest.mark.parametrize("stack_backends", ["local"], indirect=True)
+async def test_an_unreachable_store_holds_verification_back_and_the_archiver_catches_up(
+        stack: Stack, tmp_path: Path) -> None:
+    """SeaweedFS is stopped for a while (its process killed) and started again on the same ports and
+    data: the archiver backs off meanwhile, marks nothing verified, then catches up."""
+    workdir = tmp_path / "weed"
+    with contextlib.ExitStack() as exits:
+        server: S3Server = await asyncio.to_thread(exits.enter_context, seaweedfs(workdir))
+        store = server.store("unreachable")
+        sequences = await write_messages(stack, 2)
+        async with archiving(stack, store, SealPolicy(events=2, seconds=3600)) as archiver:
+            await published(stack, 1)
+            await asyncio.to_thread(exits.close)  # the store goes away
+            await write_messages(stack, 4)
+            await until(lambda: asyncio.sleep(0, archiver.store_error), what="the archiver to notice")
+            await asyncio.sleep(1.0)
+            states = [s["state"] for s in await segments(stack)]
+            assert states[0] == "published" and all(s in ("sealed", "written") for s in states[1:]), states
+            exits2 = contextlib.ExitStack()
+            with exits2:
+                await asyncio.to_thread(exits2.enter_context, seaweedfs(workdir, ports=server.ports))
+                segs = await published(stack, 3)
+                assert archiver.store_error is None
+                decoded = await read_archive(store, stack.identity.lineage)
+        assert [e.sequence for s in decoded for e in s.events][:2] == sequences
+        assert len(decoded) == len(segs) == 3
+
+
+async def test_a_fork_alarm_stops_the_archiver_loudly(stack: Stack, tmp_path: Path) -> None:
+    """Another history's bytes already under the name of segment 0: the archiver crashes with the
+    fork alarm instead of marking anything written, and the object is left as it was."""
+    from infra.archive_store import ForkAlarm
+    from protocol.archive import segment_key
+
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 2)
+    key = segment_key(stack.identity.lineage, 0, sequences[0], sequences[1])
+    await store.put(key, b"another history's segment")
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)) as archiver:
+        error = await asyncio.wait_for(archiver.crashed(), WAIT)
+    assert isinstance(error, ForkAlarm)
+    assert [s["state"] for s in await segments(stack)] == ["sealed"]
+    assert await store.get(key) == b"another history's segment"

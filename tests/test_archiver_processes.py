@@ -1,0 +1,207 @@
+"""The archiver as real OS processes (its Procfile line) on PostgreSQL and RabbitMQ: a second archiver
+stays standby; ``kill -9`` of the active one mid-upload and then of its successor mid-verify; after
+each take-over every segment is in the store once, verified, linked, and exactly the history."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from actors.archiver import active_archiver, application_name
+from infra.archive_store import ArchiveStore
+from protocol.archive import Stream, decode_segment, manifest_key, parse_segment_key
+from protocol.manifest import decode_manifest
+from tests.corpus_fixtures import STACK_ENV, running_stack
+from tests.deployment import WAIT, Deployment, deployment
+from tests.s3_server import S3Server
+
+#: Changes written before the archivers start: 2 per segment, so about 120 segments to cut.
+CHANGES = 240
+
+
+async def holder(database_url: str) -> str | None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        return await active_archiver(conn)
+    finally:
+        await conn.close()
+
+
+async def kill_when(dep: Deployment, database_url: str, state: str) -> str:
+    """SIGKILL the active archiver as soon as a segment is in ``state`` (sealed: its upload is
+    under way; written: its read-back is), with segments still left to do; return its name."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        async with asyncio.timeout(WAIT):
+            while True:
+                name = await active_archiver(conn)
+                found = await conn.fetchval("select count(*) from archive_segments where state = $1", state)
+                if name is not None and found:
+                    node = name.split(":", 1)[1]
+                    dep.processes[node].signal(signal.SIGKILL)
+                    break
+                await asyncio.sleep(0.002)
+        remaining = await conn.fetchval("select count(*) from archive_segments where state <> 'published'")
+        assert remaining, "the kill did not land while there was work left"
+        await dep.processes[node].wait(timeout=WAIT)
+        return node
+    finally:
+        await conn.close()
+
+
+async def all_published(database_url: str, expected: int) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        async with asyncio.timeout(WAIT * 2):
+            while await conn.fetchval("select count(*) from archive_segments where stream = 0 "
+                                      "and state = 'published'") < expected:
+                await asyncio.sleep(0.1)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.fault
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_written_once(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    async with running_stack(database_url, rabbitmq_url, STACK_ENV) as stack:
+        agent = await stack.register()
+        first = await stack.conversation(agent)
+        cid = first["conversation"]["id"]
+        for _ in range(CHANGES - 1):
+            await stack.message(agent, cid, content="archived")
+        lineage = stack.identity.lineage
+    env = {"TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "3600"}
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        await dep.start("archiver", "arch-a", **env)
+        await dep.start("archiver", "arch-b", **env)
+        async with asyncio.timeout(WAIT):
+            while await holder(database_url) is None:
+                await asyncio.sleep(0.05)
+        active = (await holder(database_url) or "").split(":", 1)[1]
+        standby = ({"arch-a", "arch-b"} - {active}).pop()
+        await dep.processes[standby].wait_for_line(r"archiver\.standby", timeout=WAIT)
+
+        killed = await kill_when(dep, database_url, "sealed")
+        assert killed == active
+        await dep.processes[standby].wait_for_line(r"archiver\.active", timeout=WAIT)
+        assert await holder(database_url) == application_name(standby)
+        await dep.start("archiver", "arch-c", **env)
+        await dep.processes["arch-c"].wait_for_line(r"archiver\.standby", timeout=WAIT)
+
+        assert await kill_when(dep, database_url, "written") == standby
+        await dep.processes["arch-c"].wait_for_line(r"archiver\.active", timeout=WAIT)
+        await all_published(database_url, CHANGES // 2)
+
+    store = ArchiveStore.local(tmp_path / "archive")
+    conn = await asyncpg.connect(database_url)
+    try:
+        history = [r["sequence"] for r in await conn.fetch("select sequence from changes order by sequence")]
+        rows = await conn.fetch("select segment_index, first_sequence, last_sequence, hash, state from "
+                                "archive_segments where stream = 0 order by segment_index")
+    finally:
+        await conn.close()
+    assert {r["state"] for r in rows} == {"published"} and len(rows) == CHANGES // 2
+    keys = sorted([o.key async for o in store.list(f"{lineage}/segments")])
+    assert len(keys) == len(rows)  # one object per segment: nothing written twice under other names
+    previous = None
+    archived: list[int] = []
+    for row, key in zip(rows, keys, strict=True):
+        parsed = parse_segment_key(key)
+        assert parsed is not None and (parsed.index, parsed.first_sequence, parsed.last_sequence) == (
+            row["segment_index"], row["first_sequence"], row["last_sequence"])
+        seg = decode_segment(await store.get(key), expected_previous_hash=previous,
+                             expected_lineage=uuid.UUID(str(lineage)), expected_index=row["segment_index"],
+                             expected_stream=Stream.PUBLIC)
+        assert seg.hash == bytes(row["hash"])
+        previous = seg.hash
+        archived += [e.sequence for e in seg.events]
+    assert archived == history
+    manifest = decode_manifest(await store.get(manifest_key(uuid.UUID(str(lineage)))))
+    assert [s.hash for s in manifest.segments] == [bytes(r["hash"]).hex() for r in rows]
+
+
+@pytest.mark.timeout(180)
+async def test_up_archives_to_the_data_directory_and_archive_status_reports_it(tmp_path: Path) -> None:
+    """``toastmachine up`` on its defaults archives to DATA_DIR/archive; ``archive status`` reports it."""
+    import json
+
+    import aiohttp
+
+    from tests import procs
+
+    data = tmp_path / "data"
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(data), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS="0.2")
+    node = await procs.start("up", env=env)
+    try:
+        url = await node.wait_listening(timeout=30)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/register", json={"name": "archivist"}) as resp:
+                credential = (await resp.json())["credential"]
+            auth = {"Authorization": f"Bearer {credential}"}
+            async with http.get(url + "/guide", headers=auth) as resp:
+                assert resp.status == 200
+            async with http.post(url + "/conversations", json={"subject": "s", "content": "c"},
+                                 headers={**auth, "Operation-Token": str(uuid.uuid4())}) as resp:
+                sequence = (await resp.json())["sequence"]
+            async with asyncio.timeout(WAIT):
+                while True:
+                    async with http.get(url + "/corpus/archive") as resp:
+                        body = await resp.json()
+                    if body["verified_through"] >= sequence and body["checkpoint"]:
+                        break
+                    await asyncio.sleep(0.1)
+            async with http.get(url + "/metrics") as resp:
+                metrics = await resp.text()
+            assert "toastmachine_archive_lag_events" in metrics and "toastmachine_archiver_active 1.0" in metrics
+        segment = body["segments"][0]["name"]
+        assert (data / "archive" / body["lineage"] / "segments" / segment).is_file()
+    finally:
+        assert await node.stop() == 0, "\n".join(node.output)
+    status = await procs.start("archive", "status", env=env)
+    assert await status.wait() == 0, "\n".join(status.output)
+    start = status.output.index("{")  # log lines of the embedded database come first
+    report = json.loads("\n".join(status.output[start:]))
+    assert report["public"]["verified_through"] == sequence
+    assert report["public"]["segments"] == {"published": 1}
+    assert report["active_archiver"] is None and report["lag_events"] == 0
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+async def test_the_procfile_archiver_archives_to_an_s3_compatible_store(
+        tmp_path: Path, rabbitmq_url: str, database_url: str, s3_server: S3Server) -> None:
+    """The Procfile's archiver line against SeaweedFS (``s3://bucket/prefix`` and the S3 settings)."""
+    async with running_stack(database_url, rabbitmq_url, STACK_ENV) as stack:
+        agent = await stack.register()
+        first = await stack.conversation(agent)
+        for _ in range(4):
+            await stack.message(agent, first["conversation"]["id"], content="to s3")
+        lineage = uuid.UUID(str(stack.identity.lineage))
+    prefix = f"procfile-{uuid.uuid4().hex[:8]}"
+    env = {"TOASTMACHINE_ARCHIVE_URL": f"s3://{s3_server.bucket}/{prefix}",
+           "TOASTMACHINE_ARCHIVE_S3_ENDPOINT": s3_server.endpoint, "TOASTMACHINE_ARCHIVE_S3_REGION": "us-east-1",
+           "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID": s3_server.access_key_id,
+           "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+           "TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "0.2"}
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        proc = await dep.start("archiver", "arch-s3", **env)
+        await all_published(database_url, 3)  # 5 changes: 2 + 2 + 1 (the last one sealed by age)
+        assert s3_server.secret_access_key not in "\n".join(proc.output)
+    store = s3_server.store(prefix)
+    manifest = decode_manifest(await store.get(manifest_key(lineage)))
+    previous = None
+    for entry in manifest.segments:
+        seg = decode_segment(await store.get(f"{lineage}/segments/{entry.index:010d}-{entry.first_sequence:019d}-"
+                                             f"{entry.last_sequence:019d}"), expected_previous_hash=previous)
+        previous = seg.hash
+    assert [s.event_count for s in manifest.segments] == [2, 2, 1]

@@ -1,0 +1,195 @@
+"""``mirror``: a read-only copy built from a node's archive (written by the real archiver actor) and
+followed live through the node's ``changes.jsonl`` over real HTTP, on both backend pairs.
+
+The mirror must reach the node's signed root, keep following (new writes appear at once as the
+unverified tail, then are verified when archived), serve the same ``snapshot.jsonl``, accept no
+credential, and refuse an archive signed by a key other than the pinned one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import obstore
+import orjson
+import pytest
+
+from actors.recovery.mirror import Mirror, MirrorError, NodeArchiveSource
+from actors.recovery.walk import StoreSource
+from actors.web.app import make_app
+from actors.web.archive import ARCHIVE_STORE
+from infra.archive_keys import archive_origin
+from infra.archive_store import ArchiveStore
+from infra.bus import make_bus
+from infra.db import Database, apply_migrations, read_identity
+from protocol.checkpoint import generate_signer_key
+from tests.archive_fixtures import archive_database, archiver_caught_up, archiving, raw_store
+from tests.corpus_fixtures import STACK_ENV, Stack, running_stack
+from tests.db_fixtures import fresh_database
+from tests.webclient import serve, test_node
+
+WAIT = 60.0
+
+
+async def _until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not await condition():  # type: ignore[misc]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def _mirror_db(server: str) -> AsyncIterator[Database]:
+    async with fresh_database(server) as dsn:
+        db = await Database.connect(dsn, min_size=1, max_size=4)
+        try:
+            await apply_migrations(db)
+            yield db
+        finally:
+            await db.close()
+
+
+async def _snapshot(client: object, path: str = "/corpus/snapshot.jsonl") -> bytes:
+    resp = await client.get(path)  # type: ignore[attr-defined]
+    assert resp.status == 200, await resp.text()
+    return await resp.read()  # type: ignore[no-any-return]
+
+
+async def _node_root(stack: Stack) -> tuple[int, bytes]:
+    row = await stack.db.pool.fetchrow("select tree_size, root from archive_checkpoints where stream = 0 "
+                                       "order by tree_size desc limit 1")
+    return row["tree_size"], bytes(row["root"])
+
+
+async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
+        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    amqp_url, server = stack_backends
+    store = ArchiveStore.local(tmp_path / "archive")
+    async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
+            _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
+        signer = generate_signer_key(archive_origin(node.identity.corpus_id))
+        alice = await node.register("alice-mirrored")
+        bob = await node.register("bob-mirrored")
+        first = await node.conversation(alice, "mirrored", content="hello @bob-mirrored #mirror")
+        cid = first["conversation"]["id"]
+        for n in range(9):
+            await node.message(bob if n % 2 else alice, cid, content=f"reply {n}")
+        base = str(node.client.make_url("")).rstrip("/")
+        async with archiving(node, store, signer):
+            await archiver_caught_up(node)
+            mirror = Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=signer.verifier(),
+                            node_url=base, session=session)
+            stop = asyncio.Event()
+            task = asyncio.create_task(mirror.run(stop, poll_interval=0.1))
+            try:
+                size, root = await _node_root(node)
+
+                async def reached() -> bool:
+                    return mirror.state is not None and mirror.state.tree.size == size
+
+                await _until(reached, "the mirror to verify the node's archive")
+                assert mirror.state is not None and mirror.state.tree.root() == root
+                # Following live: a new write is in the mirror as soon as the node serves it...
+                later = await node.message(alice, cid, content="written after the mirror started")
+                sequence = later["message"]["sequence"]
+
+                async def applied() -> bool:
+                    return mirror.state is not None and mirror.state.applied_through >= sequence
+
+                await _until(applied, "the mirror to apply the live tail")
+                # ...and verified once archived: the mirror's root is again the node's newest.
+                await archiver_caught_up(node)
+                size, root = await _node_root(node)
+                await _until(reached, "the mirror to verify the newly archived segment")
+                assert mirror.state.tree.root() == root
+                assert mirror.state.verified_through == sequence
+                # The same through the node's public archive routes alone (no access to its store).
+                node.client.app[ARCHIVE_STORE]["store"] = store
+                async with _mirror_db(server) as second_db:
+                    second = Mirror(NodeArchiveSource(session, base), await NodeArchiveSource(session, base).lineage(),
+                                    second_db, trusted=signer.verifier(), node_url=base, session=session)
+                    assert await second.archive_round()
+                    while await second.tail_round():
+                        pass
+                    assert second.state is not None
+                    assert (second.state.tree.size, second.state.tree.root()) == (size, root)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, WAIT)
+        # The mirror serves the same state; nobody can write on it.
+        identity = await read_identity(mirror_db)
+        assert identity == node.identity
+        bus = make_bus(None)
+        await bus.connect()
+        try:
+            async with serve(make_app(test_node(mirror_db, bus, STACK_ENV, identity=identity))) as client:
+                assert await _snapshot(client) == await _snapshot(node.client)
+                resp = await client.get("/me", headers=alice.headers())
+                assert resp.status == 401
+        finally:
+            await bus.close()
+        # Resuming is a no-op round; a different pinned key is refused.
+        assert not await Mirror(StoreSource(store), node.identity.lineage, mirror_db,
+                                trusted=signer.verifier()).archive_round()
+        stranger = generate_signer_key(signer.name).verifier()
+        with pytest.raises(MirrorError):
+            await Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=stranger).archive_round()
+
+
+async def _cli(env: dict[str, str], *args: str) -> tuple[int, bytes, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "toastmachine.cli", *args, env={**os.environ, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out, err
+
+
+async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -> None:
+    """``toastmachine mirror --from DIR --public-key KEY --once``: the archive's root; a stranger key: exit 1."""
+    from toastmachine.seed import seed_corpus
+
+    source = await Database.connect(database_url, min_size=1, max_size=2)
+    try:
+        await apply_migrations(source)
+        await seed_corpus(source, messages=10, agents=2, random_seed=11)
+        archived = await archive_database(source, ArchiveStore.local(tmp_path / "archive"))
+    finally:
+        await source.close()
+    async with fresh_database(database_url) as dsn:
+        env = {"TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data")}
+        key = archived.key.verifier().text()
+        for _ in range(2):  # building, then resuming
+            code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", key,
+                                        "--once")
+            assert code == 0, err
+            report = orjson.loads(out)
+            assert report["tree_size"] == archived.size and report["root"] == archived.root.hex()
+        stranger = generate_signer_key(archived.key.name).verifier().text()
+        # A tampered segment: refused, and nothing of the round is committed.
+        async with fresh_database(database_url) as other:
+            store = ArchiveStore.local(tmp_path / "archive")
+            last = archived.segment_key(len(archived.segments) - 1)
+            data = await store.get(last)
+            await obstore.put_async(raw_store(store), last, data[:-40] + bytes([data[-40] ^ 1]) + data[-39:])
+            code, _, err = await _cli({**env, "TOASTMACHINE_DATABASE_URL": other}, "mirror", "--from",
+                                      str(tmp_path / "archive"), "--public-key", key, "--once")
+            assert code == 1 and b"merkle_mismatch" in err, err
+            conn = await asyncpg.connect(other)
+            try:
+                assert await conn.fetchval("select count(*) from changes") == 0
+                assert await conn.fetchval("select count(*) from corpus_witness") == 0
+            finally:
+                await conn.close()
+
+        code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", stranger,
+                                    "--once")
+        assert code == 1 and b"not_signed_by_key" in err

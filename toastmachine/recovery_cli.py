@@ -1,0 +1,269 @@
+"""The recovery commands of the CLI: ``archive verify``, ``archive restore`` and ``mirror``.
+
+Thin: each parses its options, opens what it needs (the store, the database) and calls
+:mod:`actors.recovery`, which holds the logic. Reports are JSON on stdout.
+
+Exit codes: 0 success; 1 a discrepancy (verify), a refused or failed restore; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from infra.archive_keys import KEY_FILE
+from infra.archive_store import ArchiveStore, S3Options
+from infra.config import Settings
+from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
+from protocol.errors import ConfigError
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.buffer.write(orjson.dumps(value, option=orjson.OPT_INDENT_2) + b"\n")
+    sys.stdout.buffer.flush()
+
+
+def open_store(settings: Settings, url: str | None) -> ArchiveStore:
+    """The store ``url`` names (directory, file:// or s3:// with the configured S3 options), else the
+    configured archive store."""
+    if url is None:
+        return ArchiveStore.from_settings(settings)
+    return ArchiveStore.from_url(url, data_dir=settings.data_dir, s3=S3Options(
+        settings.archive_s3_endpoint, settings.archive_s3_region,
+        settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
+
+
+def pinned_key(text: str | None) -> VerifierKey | None:
+    """A ``--public-key`` value: the verifier key itself, or a file holding it."""
+    if text is None:
+        return None
+    if "+" not in text and Path(text).is_file():
+        text = Path(text).read_text(encoding="utf-8")
+    try:
+        return parse_verifier_key(text)
+    except CheckpointError as e:
+        raise ConfigError(f"--public-key: {e}") from None
+
+
+def operator_key(settings: Settings) -> VerifierKey | None:
+    """The public half of the operator's signing key, if there is one (never created here: a
+    verifier must not mint the key it then trusts)."""
+    if settings.archive_signing_key is not None:
+        return parse_signer_key(settings.archive_signing_key).verifier()
+    path = settings.data_dir / KEY_FILE
+    if not path.exists():
+        return None
+    try:
+        return parse_signer_key(path.read_text()).verifier()
+    except (OSError, CheckpointError) as e:
+        raise ConfigError(f"the archive signing key {path} cannot be read: {e}") from None
+
+
+def _lineage(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a lineage (a UUID)") from None
+
+
+# --- archive verify --------------------------------------------------------------------------------
+
+
+def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
+    """Check the archive against itself and the database; print a JSON report; exit 1 on any discrepancy."""
+    from actors.recovery.verify import verify_archive
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from infra.db import read_identity
+    from toastmachine.node import open_database
+
+    store = open_store(settings, args.from_store)
+    trusted = pinned_key(args.public_key) or operator_key(settings)
+
+    async def choose_lineage(db: Any) -> uuid.UUID | None:
+        if args.lineage is not None:
+            return args.lineage  # type: ignore[no-any-return]
+        if db is not None:
+            identity = await read_identity(db)
+            if identity is not None:
+                return identity.lineage
+        found = await archived_lineages(store)
+        if len(found) > 1:
+            raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
+                              "choose one with --lineage")
+        return found[0] if found else None
+
+    async def go() -> dict[str, Any]:
+        if args.no_database:
+            lineage = await choose_lineage(None)
+            if lineage is None:
+                return _nothing(store)
+            return (await verify_archive(StoreSource(store), lineage, trusted=trusted)).to_json()
+        async with open_database(settings) as (db, _embedded, _label):
+            lineage = await choose_lineage(db)
+            if lineage is None:
+                return _nothing(store)
+            return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
+
+    report = asyncio.run(go())
+    _print_json(report)
+    return 0 if report["ok"] else 1
+
+
+def _nothing(store: ArchiveStore) -> dict[str, Any]:
+    return {"ok": False, "archive": {"source": store.description}, "database": None,
+            "findings": [{"kind": "nothing_verified", "message": "no archived lineage in the store"}]}
+
+
+# --- archive restore -------------------------------------------------------------------------------
+
+
+def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
+    """Restore an archive into an EMPTY database under a fresh lineage (verified before anything is written)."""
+    from actors.recovery.restore import RestoreRefused, restore_archive
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from toastmachine.node import open_database
+
+    store = open_store(settings, args.source)
+    trusted = pinned_key(args.public_key) or operator_key(settings)
+
+    async def go() -> dict[str, Any]:
+        lineage = args.lineage
+        if lineage is None:
+            found = await archived_lineages(store)
+            if len(found) != 1:
+                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found)) or 'none'}): "
+                                  "choose one with --lineage")
+            lineage = found[0]
+        async with open_database(settings) as (db, _embedded, _label):
+            report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
+                                           new_lineage=args.new_lineage or settings.lineage,
+                                           republish=args.republish)
+        if settings.corpus_id is not None and settings.corpus_id != report.corpus_id:
+            # Written already (the archive decides the corpus); say so before a node refuses to start.
+            print(f"toastmachine: note: TOASTMACHINE_CORPUS_ID={settings.corpus_id} but the restored corpus is "
+                  f"{report.corpus_id}: change the configuration", file=sys.stderr)
+        return report.to_json()
+
+    try:
+        report = asyncio.run(go())
+    except RestoreRefused as e:
+        _print_json({"ok": False, "refused": str(e), "findings": [f.report() for f in e.findings]})
+        print(f"toastmachine: restore refused, nothing written: {e}", file=sys.stderr, flush=True)
+        return 1
+    _print_json(report)
+    return 0
+
+
+# --- mirror ----------------------------------------------------------------------------------------
+
+
+def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
+    """Build a read-only copy of a node's history from its archive (verified against a pinned key), then follow it."""
+    import signal
+
+    import aiohttp
+
+    from actors.recovery.mirror import Mirror, NodeArchiveSource
+    from actors.recovery.walk import StoreSource, archived_lineages
+    from toastmachine.node import open_database
+
+    trusted = pinned_key(args.public_key)
+    assert trusted is not None  # required by the parser
+    node_url = args.source if args.source.startswith(("http://", "https://")) else None
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            source: Any
+            if node_url is not None and args.archive is None:
+                source = NodeArchiveSource(session, node_url)
+            else:
+                source = StoreSource(open_store(settings, args.archive or args.source))
+            if args.lineage is not None:
+                lineage = args.lineage
+            elif node_url is not None:
+                lineage = await NodeArchiveSource(session, node_url).lineage()
+            else:
+                found = await archived_lineages(source.store)
+                if len(found) != 1:
+                    raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
+                lineage = found[0]
+            async with open_database(settings) as (db, _embedded, _label):
+                mirror = Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session)
+                if args.once:
+                    await mirror.archive_round()
+                    while await mirror.tail_round():
+                        pass
+                    return mirror.report()
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await mirror.run(stop, poll_interval=args.poll)
+                return mirror.report()
+
+    from actors.recovery.mirror import MirrorError
+
+    try:
+        report = asyncio.run(go())
+    except MirrorError as e:
+        print(f"toastmachine: mirror stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    _print_json(report)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``archive verify|restore`` and ``mirror`` to the CLI's subcommands.
+
+    Called by :func:`toastmachine.cli.build_parser`; returns nothing. If an ``archive`` parser
+    already exists (``archive status`` lives with the archiver), its subparsers are extended.
+    """
+    archive = sub.choices.get("archive") or sub.add_parser(
+        "archive", help="the archive: status, verify, restore")
+    actions = next((a for a in archive._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if actions is None:
+        actions = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
+    verify = actions.add_parser("verify", help=cmd_archive_verify.__doc__)
+    verify.add_argument("--from-store", metavar="URL", default=None,
+                        help="the store to check (directory, file:// or s3://); default TOASTMACHINE_ARCHIVE_URL")
+    verify.add_argument("--lineage", type=_lineage, default=None,
+                        help="the lineage to check (default: the database's, else the store's only one)")
+    verify.add_argument("--public-key", metavar="KEY", default=None,
+                        help="the pinned verifier key (or a file holding it); default: the operator's signing "
+                             "key, else the archive's own public-key.txt (reported as not pinned)")
+    verify.add_argument("--no-database", action="store_true", help="check the archive alone")
+    verify.set_defaults(func=cmd_archive_verify)
+    restore = actions.add_parser("restore", help=cmd_archive_restore.__doc__)
+    restore.add_argument("--from", dest="source", metavar="URL", required=True,
+                         help="the archive store (directory, file:// or s3://bucket/prefix)")
+    restore.add_argument("--lineage", type=_lineage, default=None,
+                         help="the lineage to restore (default: the store's only one)")
+    restore.add_argument("--public-key", metavar="KEY", default=None,
+                         help="the pinned verifier key (or a file); default: the operator's signing key, else "
+                              "the archive's own public-key.txt")
+    restore.add_argument("--new-lineage", type=_lineage, default=None,
+                         help="the fresh lineage (default: TOASTMACHINE_LINEAGE, else a random one)")
+    restore.add_argument("--republish", action="store_true",
+                         help="publish the restored history to RabbitMQ again (default: the publisher starts "
+                              "after it)")
+    restore.set_defaults(func=cmd_archive_restore)
+    mirror = sub.add_parser("mirror", help=cmd_mirror.__doc__)
+    mirror.add_argument("--from", dest="source", metavar="URL", required=True,
+                        help="the node (https://node/: its archive routes and changes.jsonl) or an archive store "
+                             "(directory, file:// or s3://bucket/prefix: the archive alone)")
+    mirror.add_argument("--public-key", metavar="KEY", required=True,
+                        help="the node's checkpoint verifier key, pinned out of band (or a file holding it)")
+    mirror.add_argument("--archive", metavar="URL", default=None,
+                        help="read the node's archive from this store instead of its routes")
+    mirror.add_argument("--lineage", type=_lineage, default=None,
+                        help="the lineage to mirror (default: the node's, else the store's only one)")
+    mirror.add_argument("--once", action="store_true", help="catch up once and exit instead of following")
+    mirror.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+                        help="pause between rounds when there is nothing new (default 1)")
+    mirror.set_defaults(func=cmd_mirror)
