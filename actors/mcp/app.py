@@ -8,11 +8,13 @@ One origin (``TOASTMACHINE_MCP_PUBLIC_URL``) is both the OAuth issuer and the pr
   ``/.well-known/oauth-protected-resource`` (RFC 9728, path-inserted and root);
 - ``/authorize``, ``/token``, ``/register``, ``/revoke``: the SDK's handler classes over
   :class:`~actors.mcp.oauth.OAuthStore`; ``/consent``: :mod:`actors.mcp.consent`;
-- ``/mcp``: the SDK's Streamable HTTP transport (it negotiates 2026-07-28 and 2025-11-25), behind
-  DNS-rebinding protection for the configured host names (bad ``Origin``: 403), the bearer layer
-  (a missing, unknown, expired, revoked or foreign-audience token: 401 with ``WWW-Authenticate:
-  Bearer resource_metadata=…, scope=…``) and the scope gate (a tool whose scope the token lacks:
-  403 ``insufficient_scope``). Answers on ``/mcp`` are ``Cache-Control: no-store``.
+- ``/mcp``: the SDK's Streamable HTTP transport (it negotiates 2026-07-28 and 2025-11-25; JSON
+  answers to calls), behind DNS-rebinding protection for the configured host names (bad ``Origin``:
+  403) and :class:`~actors.mcp.endpoint.McpEndpoint`, one layer for the bearer check (a missing,
+  unknown, expired, revoked or foreign-audience token: 401 with ``WWW-Authenticate: Bearer
+  resource_metadata=…, scope=…``), the scope gate (a tool whose scope the token lacks: 403
+  ``insufficient_scope``) and ``Cache-Control: no-store``. A request to exactly ``/mcp`` goes
+  straight to it, past the Starlette router and middleware the other routes use.
 
 Tools come from the ``tools`` hook of :func:`build_app`: the MCP process (:mod:`actors.mcp.front`)
 registers the 18 tools of :mod:`actors.mcp.tools` and the resources of :mod:`actors.mcp.resources`;
@@ -131,8 +133,13 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
                                            subscriptions=subscriptions)
     tools(server, ToolDeps(db=db, settings=settings))
     # The SDK's app for /mcp is a Starlette app of its own (router, middleware stack); we use only the
-    # session manager it creates, behind our one layer (actors.mcp.endpoint).
-    server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
+    # session manager it creates, behind our one layer (actors.mcp.endpoint). JSON responses: a call
+    # is answered with one application/json body, run in the request's own task; in SSE mode the SDK
+    # spends a task group, two tasks and a stream on every call to allow notifications our tools never
+    # send (no progress, no logging, no server-to-client requests). subscriptions/listen and the
+    # 2025-11-25 GET stream, the only streams we serve, stay SSE.
+    server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host,
+                               json_response=True)
     verifier = ProviderTokenVerifier(store)  # type: ignore[arg-type]
     mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
                                BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
