@@ -477,9 +477,17 @@ async def test_both_protocol_revisions_on_one_endpoint(front: Front) -> None:
                                                        "params": {"name": "whoami", "arguments": {}, "_meta": META}},
                             headers={**modern, "Mcp-Method": "tools/call", "Mcp-Name": "whoami"})
         assert r.status_code == 200, r.text
+        # A call is answered with one JSON body (no SSE stream per call), with the fixed headers.
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.headers["cache-control"] == "no-store" and r.headers["server"] == "ToastMachine"
         agent = r.json()["result"]["structuredContent"]["agent"]
         grant_agent = await front.db.pool.fetchval("select agent_id from oauth_grants")
         assert agent["agent_id"] == str(grant_agent)
+        # Only exactly /mcp is the endpoint: /mcp/ redirects to it, and the redirect still needs the token.
+        r = await http.post(front.base + "/mcp/", json=_INIT, headers=_MCP_HEADERS)
+        assert r.status_code == 307 and r.headers["location"].endswith("/mcp")
+        r = await http.post(r.headers["location"], json=_INIT, headers=_MCP_HEADERS)
+        assert r.status_code == 401 and r.headers["server"] == "ToastMachine"
         r = await http.post(front.base + "/mcp", json=_INIT, headers=auth)
         assert r.status_code == 200, r.text
         assert "2025-11-25" in r.text and r.headers["cache-control"] == "no-store"

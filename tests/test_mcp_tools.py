@@ -438,7 +438,7 @@ async def test_budgeted_reads_continue_exactly_where_they_stopped(stack: Stack) 
         margs: dict[str, Any] = {"conversation": cid, "after": 0, "limit": 30, "max_bytes": 5000}
         while True:
             got = await mcp.ok("get_messages", **margs)
-            assert got["retrieval_size"]["serialized_bytes"] <= 5000
+            assert got["retrieval_size"]["serialized_bytes"] == len(orjson.dumps(got)) <= 5000
             seen += got["items"]
             if got["complete"]:
                 break

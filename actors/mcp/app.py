@@ -8,11 +8,13 @@ One origin (``TOASTMACHINE_MCP_PUBLIC_URL``) is both the OAuth issuer and the pr
   ``/.well-known/oauth-protected-resource`` (RFC 9728, path-inserted and root);
 - ``/authorize``, ``/token``, ``/register``, ``/revoke``: the SDK's handler classes over
   :class:`~actors.mcp.oauth.OAuthStore`; ``/consent``: :mod:`actors.mcp.consent`;
-- ``/mcp``: the SDK's Streamable HTTP transport (it negotiates 2026-07-28 and 2025-11-25), behind
-  DNS-rebinding protection for the configured host names (bad ``Origin``: 403), the bearer layer
-  (a missing, unknown, expired, revoked or foreign-audience token: 401 with ``WWW-Authenticate:
-  Bearer resource_metadata=…, scope=…``) and the scope gate (a tool whose scope the token lacks:
-  403 ``insufficient_scope``). Answers on ``/mcp`` are ``Cache-Control: no-store``.
+- ``/mcp``: the SDK's Streamable HTTP transport (it negotiates 2026-07-28 and 2025-11-25; JSON
+  answers to calls), behind DNS-rebinding protection for the configured host names (bad ``Origin``:
+  403) and :class:`~actors.mcp.endpoint.McpEndpoint`, one layer for the bearer check (a missing,
+  unknown, expired, revoked or foreign-audience token: 401 with ``WWW-Authenticate: Bearer
+  resource_metadata=…, scope=…``), the scope gate (a tool whose scope the token lacks: 403
+  ``insufficient_scope``) and ``Cache-Control: no-store``. A request to exactly ``/mcp`` goes
+  straight to it, past the Starlette router and middleware the other routes use.
 
 Tools come from the ``tools`` hook of :func:`build_app`: the MCP process (:mod:`actors.mcp.front`)
 registers the 18 tools of :mod:`actors.mcp.tools` and the resources of :mod:`actors.mcp.resources`;
@@ -25,19 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 from mcp.server.auth.handlers.authorize import AuthorizationHandler
 from mcp.server.auth.handlers.metadata import MetadataHandler, ProtectedResourceMetadataHandler
 from mcp.server.auth.handlers.register import RegistrationHandler
 from mcp.server.auth.handlers.revoke import RevocationHandler
 from mcp.server.auth.handlers.token import TokenHandler
-from mcp.server.auth.middleware.auth_context import AuthContextMiddleware
-from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend, RequireAuthMiddleware
+from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend
 from mcp.server.auth.provider import ProviderTokenVerifier
 from mcp.server.auth.routes import build_metadata, cors_middleware
 from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
@@ -53,15 +53,15 @@ from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.middleware import Middleware
-from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, request_response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.routing import Route, request_response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
+from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SetHeaders
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
 from actors.mcp.server import ToastMachineServer
@@ -69,9 +69,6 @@ from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
 from infra.ratelimit import registration_budget
-
-#: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
-_GATE_MAX_BYTES = 4 * 1024 * 1024
 
 #: The server instructions the MCP front announces (both protocol revisions).
 INSTRUCTIONS = (
@@ -111,115 +108,6 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
         return {"agent": rows.agent(row)}
 
 
-def _challenge(resource_metadata: str, *, error: str, description: str, scope: str) -> str:
-    return (f'Bearer error="{error}", error_description="{description}", '
-            f'resource_metadata="{resource_metadata}", scope="{scope}"')
-
-
-class _RequireToken(RequireAuthMiddleware):
-    """The SDK's 401 layer, with ``scope=`` in the challenge so a client knows what to ask for."""
-
-    def __init__(self, app: ASGIApp, resource_metadata: str) -> None:
-        super().__init__(app, [], AnyHttpUrl(resource_metadata))
-        self._metadata = resource_metadata
-
-    async def _send_auth_error(self, send: Send, status_code: int, error: str, description: str) -> None:
-        body = orjson.dumps({"error": error, "error_description": description})
-        header = _challenge(self._metadata, error=error, description=description, scope=" ".join(SCOPES))
-        await send({"type": "http.response.start", "status": status_code,
-                    "headers": [(b"content-type", b"application/json"), (b"cache-control", b"no-store"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", header.encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _ScopeGate:
-    """Refuse a ``tools/call`` whose tool needs a scope the token lacks: 403 before the tool runs."""
-
-    def __init__(self, app: ASGIApp, resource_metadata: str, scopes: Callable[[], Mapping[str, str]]) -> None:
-        self.app = app
-        self.resource_metadata = resource_metadata
-        self.scopes = scopes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size, more = 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-            if size > _GATE_MAX_BYTES:
-                break
-        body = b"".join(chunks)
-        granted = set(getattr(scope.get("auth"), "scopes", ()) or ())
-        missing = self._missing(body, granted) if not more else None
-        if missing is not None:
-            payload = orjson.dumps({"error": "insufficient_scope", "error_description": f"Required scope: {missing}"})
-            header = _challenge(self.resource_metadata, error="insufficient_scope",
-                                description=f"Required scope: {missing}", scope=missing)
-            await send({"type": "http.response.start", "status": 403,
-                        "headers": [(b"content-type", b"application/json"), (b"cache-control", b"no-store"),
-                                    (b"content-length", str(len(payload)).encode()),
-                                    (b"www-authenticate", header.encode())]})
-            await send({"type": "http.response.body", "body": payload})
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": more}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    def _missing(self, body: bytes, granted: set[str]) -> str | None:
-        try:
-            decoded = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None  # the transport answers the parse error
-        calls = decoded if isinstance(decoded, list) else [decoded]
-        needed = self.scopes()
-        for call in calls:
-            if isinstance(call, dict) and call.get("method") == "tools/call":
-                params = call.get("params")
-                name = params.get("name") if isinstance(params, dict) else None
-                want = needed.get(name) if isinstance(name, str) else None
-                if want is not None and want not in granted:
-                    return want
-        return None
-
-
-class _SetHeader:
-    """Sets one response header on every answer of ``app``, replacing any value it had.
-
-    Used for ``Server: ToastMachine`` on everything (like the web front: no framework or version)
-    and ``Cache-Control: no-store`` on the token-gated endpoint.
-    """
-
-    def __init__(self, app: ASGIApp, name: bytes, value: bytes) -> None:
-        self.app = app
-        self.name = name.lower()
-        self.value = value
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def sending(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != self.name]
-                message = {**message, "headers": [*headers, (self.name, self.value)]}
-            await send(message)
-
-        await self.app(scope, receive, sending)
-
-
 def transport_security(settings: Settings) -> TransportSecuritySettings:
     """DNS-rebinding protection from the configured public origin and bind address (not localhost defaults)."""
     public = urlsplit(settings.mcp_base_url)
@@ -232,7 +120,7 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
 
 
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools,
-              subscriptions: SubscriptionBus | None = None) -> Starlette:
+              subscriptions: SubscriptionBus | None = None) -> ASGIApp:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers and
     ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None)."""
     issuer = settings.mcp_base_url
@@ -244,15 +132,19 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
                                            instructions=INSTRUCTIONS,
                                            subscriptions=subscriptions)
     tools(server, ToolDeps(db=db, settings=settings))
-    mcp_app = server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host)
-
-    resource_metadata = f"{issuer}/.well-known/oauth-protected-resource/mcp"
+    # The SDK's app for /mcp is a Starlette app of its own (router, middleware stack); we use only the
+    # session manager it creates, behind our one layer (actors.mcp.endpoint). JSON responses: a call
+    # is answered with one application/json body, run in the request's own task; in SSE mode the SDK
+    # spends a task group, two tasks and a stream on every call to allow notifications our tools never
+    # send (no progress, no logging, no server-to-client requests). subscriptions/listen and the
+    # 2025-11-25 GET stream, the only streams we serve, stay SSE.
+    server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host,
+                               json_response=True)
     verifier = ProviderTokenVerifier(store)  # type: ignore[arg-type]
-    protected: ASGIApp = _RequireToken(_ScopeGate(mcp_app, resource_metadata, tool_scopes), resource_metadata)
-    protected = AuthenticationMiddleware(
-        AuthContextMiddleware(protected),
-        backend=BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)))
-    protected = _SetHeader(protected, b"cache-control", b"no-store")
+    mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
+                               BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
+                               resource_metadata=f"{issuer}/.well-known/oauth-protected-resource/mcp",
+                               scopes=tool_scopes, all_scopes=" ".join(SCOPES))
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
     # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
@@ -289,7 +181,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
                                          ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
         Route("/consent", endpoint(consent.show), methods=["GET"]),
         Route("/consent", endpoint(consent.decide), methods=["POST"]),
-        Mount("", app=protected),
+        # Reached through the router only for what the fast path below does not take (``/mcp/``: redirect).
+        Route("/mcp", mcp_endpoint),
     ]
 
     @contextlib.asynccontextmanager
@@ -297,7 +190,29 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         async with server.session_manager.run():
             yield
 
-    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_SetHeader, name=b"server", value=b"ToastMachine")])
+    rest = Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(SetHeaders, headers=(SERVER_HEADER,))])
+    return _Front(mcp_endpoint, rest)
+
+
+class _Front:
+    """``/mcp`` straight to its endpoint; everything else (OAuth, consent, metadata, lifespan) to Starlette.
+
+    Every MCP call is a request to exactly ``/mcp``: it skips the router's route-by-route matching and
+    the framework's middleware stack (the endpoint sets its own headers). Exposes the Starlette app's
+    ``state`` and ``router`` so that callers see one application."""
+
+    def __init__(self, mcp: McpEndpoint, rest: Starlette) -> None:
+        self.mcp = mcp
+        self.rest = rest
+        self.state = rest.state
+        self.router = rest.router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/mcp":
+            await self.mcp(scope, receive, send)
+        else:
+            await self.rest(scope, receive, send)
 
 
 class _LimitedAuthorize:

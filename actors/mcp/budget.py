@@ -26,25 +26,36 @@ ENVELOPE_RESERVE = 400
 ESTIMATION_METHOD = "utf8_json_bytes_div_4"
 
 
-def fit(items: list[Any], max_bytes: int) -> int:
-    """How many leading ``items`` fit in ``max_bytes`` of compact JSON (at least one when there is one)."""
+def fit(items: list[Any], max_bytes: int) -> tuple[int, orjson.Fragment]:
+    """How many leading ``items`` fit in ``max_bytes`` of compact JSON (at least one when there is one),
+    and the JSON array of those items, serialized once here to measure them and sent as it is."""
+    encoded: list[bytes] = []
     used = 2  # the enclosing [ ]
     for count, item in enumerate(items):
-        used += len(orjson.dumps(item)) + (1 if count else 0)
+        data = orjson.dumps(item)
+        used += len(data) + (1 if count else 0)
         if used > max_bytes and count > 0:
-            return count
-    return len(items)
+            break
+        encoded.append(data)
+    return len(encoded), orjson.Fragment(b"[" + b",".join(encoded) + b"]")
+
+
+#: What a body's ``retrieval_size`` field adds before its value: a comma and the quoted key.
+_FIELD = len(b',"retrieval_size":')
+
+
+def _size_field(size: int) -> dict[str, Any]:
+    return {"serialized_bytes": size, "estimated_tokens": math.ceil(size / 4), "estimation_method": ESTIMATION_METHOD}
 
 
 def retrieval_size(body: dict[str, Any]) -> dict[str, Any]:
-    """``{serialized_bytes, estimated_tokens, estimation_method}`` of ``body`` as it will be sent
-    (its ``retrieval_size`` field counted with a placeholder of the same width)."""
-    probe = {**body, "retrieval_size": {"serialized_bytes": 0, "estimated_tokens": 0,
-                                        "estimation_method": ESTIMATION_METHOD}}
-    size = len(orjson.dumps(probe))
-    # Two passes: the digits of the sizes themselves are part of the size.
-    for _ in range(2):
-        probe["retrieval_size"] = {"serialized_bytes": size, "estimated_tokens": math.ceil(size / 4),
-                                   "estimation_method": ESTIMATION_METHOD}
-        size = len(orjson.dumps(probe))
-    return {"serialized_bytes": size, "estimated_tokens": math.ceil(size / 4), "estimation_method": ESTIMATION_METHOD}
+    """``{serialized_bytes, estimated_tokens, estimation_method}`` of ``body`` as it will be sent, with
+    this field added last (``body`` is not empty and has no ``retrieval_size`` yet).
+
+    ``body`` is serialized once; the field's own width is added arithmetically, again until the
+    digits of the sizes stop changing it (they are part of the size)."""
+    base = len(orjson.dumps(body)) + _FIELD
+    size = base + len(orjson.dumps(_size_field(0)))
+    while (actual := base + len(orjson.dumps(_size_field(size)))) != size:
+        size = actual
+    return _size_field(size)

@@ -146,7 +146,7 @@ def _max_bytes(value: int | None) -> int:
 def _budgeted(listing: queries.Listing, max_bytes: int, position: Callable[[dict[str, Any]], int],
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A listing kept to ``max_bytes``: whole items, and ``next`` right after the last one kept."""
-    keep = budget.fit(listing.items, max_bytes - budget.ENVELOPE_RESERVE)
+    keep, encoded = budget.fit(listing.items, max_bytes - budget.ENVELOPE_RESERVE)
     items = listing.items[:keep]
     next_args: dict[str, int] | None
     if keep == len(listing.items):
@@ -155,7 +155,8 @@ def _budgeted(listing: queries.Listing, max_bytes: int, position: Callable[[dict
         next_args = {"offset": listing.offset + keep}
     else:
         next_args = {listing.cursor_key or "after": position(items[-1])}
-    body: dict[str, Any] = {"items": items, **(extra or {}), "next": next_args, "complete": next_args is None}
+    # The items as fit() serialized them (the result's JSON is built from them, not serialized again).
+    body: dict[str, Any] = {"items": encoded, **(extra or {}), "next": next_args, "complete": next_args is None}
     body["retrieval_size"] = budget.retrieval_size(body)
     return body
 
@@ -509,6 +510,7 @@ async def _pull(pool: Any, conversation_id: str, after: int, max_bytes: int) -> 
     """The conversation and its messages after ``after``, whole, while they fit ``max_bytes``."""
     head: dict[str, Any] | None = None
     kept: list[dict[str, Any]] = []
+    encoded: list[bytes] = []  # the kept messages' JSON: the result is built from it
     used = 0
     cursor, complete = after, False
     while True:
@@ -520,19 +522,20 @@ async def _pull(pool: Any, conversation_id: str, after: int, max_bytes: int) -> 
             used = len(orjson.dumps(head)) + budget.ENVELOPE_RESERVE  # the fields around the messages
         full = False
         for message in page.messages:
-            size = len(orjson.dumps(message)) + 1
-            if kept and used + size > max_bytes:
+            data = orjson.dumps(message)
+            if kept and used + len(data) + 1 > max_bytes:
                 full = True
                 break
             kept.append(message)
-            used += size
+            encoded.append(data)
+            used += len(data) + 1
         if full:
             break
         if page.cursor is None:
             complete = True
             break
         cursor = page.cursor
-    body: dict[str, Any] = {"conversation": head, "messages": kept,
+    body: dict[str, Any] = {"conversation": head, "messages": orjson.Fragment(b"[" + b",".join(encoded) + b"]"),
                             "next": None if complete else {"after": kept[-1]["sequence"]}, "complete": complete}
     body["retrieval_size"] = budget.retrieval_size(body)
     return body

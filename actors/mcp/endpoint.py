@@ -1,0 +1,168 @@
+"""``/mcp`` as one ASGI layer in front of the SDK's Streamable HTTP session manager.
+
+Every MCP call goes through here, so it does in one pass (one coroutine, one ``send`` wrapper) what
+used to be five nested middlewares and a second Starlette app:
+
+1. the bearer check: the SDK's :class:`BearerAuthBackend` (token lookup, expiry, audience) decides;
+   a request without a valid token gets 401 with ``WWW-Authenticate: Bearer resource_metadata=…,
+   scope=…`` (RFC 9728, and the scopes to ask for) before anything else runs;
+2. the authenticated user is put where the SDK looks for it: ``scope["user"]``/``scope["auth"]``
+   (the session manager ties a 2025-11-25 session to its credential) and the SDK's auth context
+   variable (``get_access_token()``, read by :func:`actors.mcp.grants.current_grant`);
+3. the scope gate: a ``tools/call`` for a tool whose declared scope the token lacks gets 403
+   ``insufficient_scope`` (naming the scope), the tool never runs;
+4. ``Server: ToastMachine`` and ``Cache-Control: no-store`` on every answer;
+5. the SDK's session manager (``handle_request``, its public entry: body limit, DNS-rebinding
+   checks, both protocol revisions).
+
+Token verification is one database round trip per request on purpose: no cache, so a revoked grant
+stops working at once on every MCP process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import orjson
+from mcp.server.auth.middleware.auth_context import auth_context_var
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, BearerAuthBackend
+from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+#: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
+GATE_MAX_BYTES = 4 * 1024 * 1024
+
+#: The ``Server`` header of every answer of the MCP front (like the web front: no framework or version).
+SERVER_HEADER = (b"server", b"ToastMachine")
+#: Headers every answer of /mcp carries: that, and no caching of anything token-gated.
+_MCP_HEADERS = (SERVER_HEADER, (b"cache-control", b"no-store"))
+
+Headers = tuple[tuple[bytes, bytes], ...]
+
+
+def setting_headers(send: Send, headers: Headers) -> Send:
+    """``send`` with ``headers`` (lower-case names) set on the response, replacing any value they had."""
+    names = frozenset(name for name, _ in headers)
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in names]
+            message = {**message, "headers": [*kept, *headers]}
+        await send(message)
+
+    return sending
+
+
+class SetHeaders:
+    """ASGI middleware: :func:`setting_headers` on every answer of ``app``."""
+
+    def __init__(self, app: ASGIApp, headers: Headers) -> None:
+        self.app = app
+        self.headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, setting_headers(send, self.headers))
+
+
+def challenge(resource_metadata: str, *, error: str, description: str, scope: str) -> str:
+    """The ``WWW-Authenticate`` value of a 401/403: the error, where the metadata is, what scope to ask for."""
+    return (f'Bearer error="{error}", error_description="{description}", '
+            f'resource_metadata="{resource_metadata}", scope="{scope}"')
+
+
+class McpEndpoint:
+    """The ASGI app of ``/mcp``: bearer check, scope gate and fixed headers around ``handler``.
+
+    ``handler`` is the SDK session manager's ``handle_request``; ``backend`` the SDK's bearer backend
+    over our token store; ``scopes()`` the declared scope of every tool; ``all_scopes`` the scopes a
+    401 tells a client to ask for.
+    """
+
+    def __init__(self, handler: ASGIApp, backend: BearerAuthBackend, *, resource_metadata: str,
+                 scopes: Callable[[], Mapping[str, str]], all_scopes: str) -> None:
+        self.handler = handler
+        self.backend = backend
+        self.resource_metadata = resource_metadata
+        self.scopes = scopes
+        self.all_scopes = all_scopes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = setting_headers(send, _MCP_HEADERS)
+        authenticated = await self.backend.authenticate(HTTPConnection(scope))
+        if authenticated is None:
+            await self._refuse(sending, 401, "invalid_token", "Authentication required", self.all_scopes)
+            return
+        credentials, user = authenticated
+        assert isinstance(user, AuthenticatedUser)
+        scope["auth"], scope["user"] = credentials, user
+
+        if scope["method"] == "POST":
+            body, more = await _read_body(receive)
+            missing = None if more else self._missing_scope(body, set(credentials.scopes))
+            if missing is not None:
+                await self._refuse(sending, 403, "insufficient_scope", f"Required scope: {missing}", missing)
+                return
+            receive = _replay(body, more, receive)
+
+        context = auth_context_var.set(user)
+        try:
+            await self.handler(scope, receive, sending)
+        finally:
+            auth_context_var.reset(context)
+
+    def _missing_scope(self, body: bytes, granted: set[str]) -> str | None:
+        """The scope a ``tools/call`` in ``body`` needs and ``granted`` lacks; None when nothing is missing."""
+        try:
+            decoded = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None  # the transport answers the parse error
+        calls = decoded if isinstance(decoded, list) else [decoded]
+        needed = self.scopes()
+        for call in calls:
+            if isinstance(call, dict) and call.get("method") == "tools/call":
+                params = call.get("params")
+                name = params.get("name") if isinstance(params, dict) else None
+                want = needed.get(name) if isinstance(name, str) else None
+                if want is not None and want not in granted:
+                    return want
+        return None
+
+    async def _refuse(self, send: Send, status: int, error: str, description: str, scope: str) -> None:
+        body = orjson.dumps({"error": error, "error_description": description})
+        header = challenge(self.resource_metadata, error=error, description=description, scope=scope)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", header.encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    """The request body, read up to :data:`GATE_MAX_BYTES`; and whether more of it is left unread."""
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+        if size > GATE_MAX_BYTES:
+            break
+    return b"".join(chunks), more
+
+
+def _replay(body: bytes, more: bool, receive: Receive) -> Receive:
+    """A ``receive`` that first hands back what the gate read, then the rest of the request."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": more}
+        return await receive()
+
+    return replay
