@@ -23,6 +23,8 @@ from infra.bus.base import (
     DEADLINE_HEADER,
     Bus,
     Delivery,
+    Headers,
+    HeaderValue,
     QueueKind,
     QueueSpec,
 )
@@ -138,13 +140,13 @@ async def test_each_member_keeps_its_own_deadline(bus: Bus, db: Database) -> Non
     await writer.start()
     batch_key = scope.command_key(WRITE_BATCH)
     try:
-        past = {**scope.headers(), DEADLINE_HEADER: int((time.time() - 5) * 1000)}
+        past: dict[str, HeaderValue] = {**scope.headers(), DEADLINE_HEADER: int((time.time() - 5) * 1000)}
         started = time.time()
 
-        async def send(command: WriteCommand, timeout: float, headers: dict[str, object]) -> object:
+        async def send(command: WriteCommand, timeout: float, headers: Headers) -> object:
             try:
                 return (await bus.request(COMMANDS_EXCHANGE, scope.command_key(command.operation), command,
-                                          timeout=timeout, headers=headers, batch_key=batch_key)).message  # type: ignore[arg-type]
+                                          timeout=timeout, headers=headers, batch_key=batch_key)).message
             except RequestTimeout as e:
                 return e
 
@@ -194,10 +196,10 @@ async def test_a_batch_is_bounded_in_count_and_bytes() -> None:
         assert [len(orjson.loads(m.body)["members"]) for m in sent[:2]] == [3, 3]  # type: ignore[attr-defined]
 
         big = "x" * 300
-        replies = await asyncio.gather(
+        pair = await asyncio.gather(
             bus.request("test.batches", "ping.big", Ping(nonce=big), timeout=WAIT, batch_key="pings"),
             bus.request("test.batches", "ping.small", Ping(nonce="small"), timeout=WAIT, batch_key="pings"))
-        assert [r.message.nonce for r in replies] == [big, "small"]  # type: ignore[attr-defined]
+        assert [r.message.nonce for r in pair] == [big, "small"]  # type: ignore[attr-defined]
         sent = await _drain_raw(bus, spy, want=2)
         assert sorted(m.type_name for m in sent) == [Ping.TYPE, Ping.TYPE]  # type: ignore[attr-defined]
         await consumer.drain(1)  # type: ignore[attr-defined]

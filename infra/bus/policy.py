@@ -167,8 +167,14 @@ class BatchMember(Delivery):
     async def dead_letter(self, reason: str) -> None:
         if self.settled:
             return
-        await self.batch.dead_letter_member(self.type_name, self.body,
-                                            dead_letter_headers(self, self.queue, reason))
+        try:
+            await self.batch.dead_letter_member(self.type_name, self.body,
+                                                dead_letter_headers(self, self.queue, reason))
+        except BaseException:
+            # The copy is not safe in tm.dead: the whole batch comes again rather than lose it.
+            self.settled = True
+            self.requeue = True
+            raise
         self.settled = True
 
     async def dead_letter_member(self, type_name: str | None, body: bytes,
