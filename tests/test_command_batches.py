@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import orjson
 
-from actors.commands import WRITE_BATCH
+from actors.commands import WRITE_BATCH, submit_write
 from actors.writer import CorpusWriter, writer_queue
 from infra.bus import MemoryBus
 from infra.bus.base import (
@@ -28,9 +28,12 @@ from infra.bus.base import (
     QueueKind,
     QueueSpec,
 )
-from infra.db import Database, ensure_identity
+from infra.config import Settings
+from infra.db import CorpusIdentity, Database, ensure_identity
+from infra.ratelimit import local_bucket, write_budget
+from protocol import corpus
 from protocol.commands import WriteCommand, WriteResult
-from protocol.errors import RequestTimeout
+from protocol.errors import LineageMismatch, RequestTimeout
 from protocol.messages import BusMessage, ErrorReply, Ping, Pong, RequestBatch, encode_message, register
 
 WAIT = 30.0
@@ -236,3 +239,48 @@ async def test_requests_of_one_turn_share_one_message_and_one_reply(bus: Bus) ->
     finally:
         await consumer.drain(1)
 
+
+
+@dataclasses.dataclass
+class _Node:
+    """What :func:`submit_write` needs of a node: real settings, bus, database and identity."""
+
+    settings: Settings
+    bus: Bus
+    db: Database
+    identity: CorpusIdentity | None
+    identity_error: LineageMismatch | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agent:
+    agent_id: str
+    name: str = "batcher"
+    onboarded: bool = True
+
+
+async def test_the_writes_of_one_turn_leave_a_node_as_one_command_message(bus: Bus, db: Database) -> None:
+    """The submit path both fronts share: ten writes started together are one message on
+    ``tm.commands`` (routing key ``<corpus_id>.batch``), each answered with its own 201, all committed."""
+    identity = await ensure_identity(db, None, None)
+    scope = identity.scope
+    author = await _author(db)
+    spy = await _spy(bus, COMMANDS_EXCHANGE, f"{scope.corpus_id}.#")
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity)
+    await writer.start()
+    settings = Settings(writes_per_second=1000)
+    node = _Node(settings, bus, db, identity)
+    admission = local_bucket(write_budget(settings.writes_per_second))
+    try:
+        results = await asyncio.gather(*(
+            submit_write(node, admission, _Agent(author), corpus.OP_CREATE_CONVERSATION, None,
+                         {"subject": f"s{i}", "content": "c"}, f"t-{i}") for i in range(10)))
+        assert [r.status for r in results] == [201] * 10
+        assert len({r.sequence for r in results}) == 10
+        [sent] = await _drain_raw(bus, spy, want=1)
+        assert (sent.type_name, sent.routing_key) == (RequestBatch.TYPE, scope.command_key(WRITE_BATCH))  # type: ignore[attr-defined]
+        members = orjson.loads(sent.body)["members"]  # type: ignore[attr-defined]
+        assert [m["routing_key"] for m in members] == [scope.command_key(corpus.OP_CREATE_CONVERSATION)] * 10
+        assert await db.pool.fetchval("select count(*) from changes") == 10
+    finally:
+        await writer.stop(grace=2)
