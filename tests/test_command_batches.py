@@ -223,6 +223,7 @@ async def test_requests_of_one_turn_share_one_message_and_one_reply(bus: Bus) ->
 
     consumer = await bus.consume(work, handle, prefetch=10)
     delivered_before = bus.stats.delivered
+    batches_before = (bus.stats.request_batches, bus.stats.batched_requests)
     try:
         replies = await asyncio.gather(*(bus.request(exchange, "ping", Ping(nonce=f"n{i}"), timeout=WAIT,
                                                      batch_key="ping.batch") for i in range(20)))
@@ -232,6 +233,7 @@ async def test_requests_of_one_turn_share_one_message_and_one_reply(bus: Bus) ->
         assert [(m.type_name, m.routing_key) for m in sent] == [(RequestBatch.TYPE, "ping.batch")]  # type: ignore[attr-defined]
         # One consumed delivery (the batch) and twenty answers resolved from one reply message.
         assert bus.stats.delivered - delivered_before == 1 + 20
+        assert (bus.stats.request_batches, bus.stats.batched_requests) == (batches_before[0] + 1, batches_before[1] + 20)
         alone = await bus.request(exchange, "ping", Ping(nonce="alone"), timeout=WAIT)
         assert alone.message == Pong(nonce="alone", responder="r")
         sent = await _drain_raw(bus, spy, want=1)

@@ -190,6 +190,9 @@ class BusStats:
     acked: int = 0
     nacked: int = 0
     dead_lettered: int = 0
+    #: Batch messages of the batch form published, and the requests they carried.
+    request_batches: int = 0
+    batched_requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

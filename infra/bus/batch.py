@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from infra.bus.base import DEADLINE_HEADER, Headers, HeaderValue, deadline_header
+from infra.bus.base import DEADLINE_HEADER, BusStats, Headers, HeaderValue, deadline_header
 from infra.bus.policy import PendingRequests, ReplyDelivery, outgoing_headers
 from infra.logs import TRACE_HEADER, get_logger
 from protocol.errors import ProtocolDecodeError, RequestTimeout
@@ -75,10 +75,11 @@ class RequestBatcher:
         pending: the backend's pending requests (bounded): every member has its own entry.
         max_count: most members in one batch.
         max_bytes: most member body bytes in one batch.
+        stats: the bus's counters (``request_batches``, ``batched_requests``).
     """
 
-    def __init__(self, send: SendRequest, pending: PendingRequests, *, max_count: int = DEFAULT_MAX_BATCH_COUNT,
-                 max_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
+    def __init__(self, send: SendRequest, pending: PendingRequests, stats: BusStats, *,
+                 max_count: int = DEFAULT_MAX_BATCH_COUNT, max_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
         if max_count < 1 or max_bytes < 1:
             raise ValueError("a batch holds at least one request of at least one byte")
         self._send = send
@@ -90,8 +91,7 @@ class RequestBatcher:
         # Entries go with the reply or the latest member's deadline, so this is bounded by ``pending``.
         self._batches: dict[str, list[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Batch messages published (for tests and metrics).
-        self.batches_sent = 0
+        self._stats = stats
 
     async def request(self, exchange: str, routing_key: str, type_name: str, body: bytes, *, timeout: float,
                       headers: Headers | None = None, batch_key: str | None = None) -> ReplyDelivery:
@@ -167,7 +167,8 @@ class RequestBatcher:
                 self._batches[correlation_id] = [m.correlation_id for m in batch.members]
                 loop.call_later(timeout, self._batches.pop, correlation_id, None)
                 await self._send(batch.exchange, batch.batch_key, type_name, body, headers, correlation_id, timeout)
-                self.batches_sent += 1
+                self._stats.request_batches += 1
+                self._stats.batched_requests += len(batch.members)
         except BaseException as e:
             if not batch.sent.done():
                 batch.sent.set_exception(e)

@@ -268,7 +268,7 @@ class MemoryBus(Bus):
         self._queues: dict[str, _Queue] = {}
         self._consumers: set[_MemoryConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
-        self._batcher = RequestBatcher(self._send_request, self._pending, max_count=max_batch_count,
+        self._batcher = RequestBatcher(self._send_request, self._pending, self.stats, max_count=max_batch_count,
                                        max_bytes=max_batch_bytes)
         self._reply_address = ""
         # Set whenever a ready message leaves a queue: publishers blocked on a full queue re-check.

@@ -131,7 +131,7 @@ class RabbitBus(Bus):
         self._queue_args: dict[str, dict[str, Any]] = {}
         self._consumers: set[_RabbitConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
-        self._batcher = RequestBatcher(self._send_request, self._pending, max_count=max_batch_count,
+        self._batcher = RequestBatcher(self._send_request, self._pending, self.stats, max_count=max_batch_count,
                                        max_bytes=max_batch_bytes)
         # Mirrors stats.connected for waiters: set once the (re)connect has restored the topology.
         self._up = asyncio.Event()
