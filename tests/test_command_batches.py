@@ -286,3 +286,39 @@ async def test_the_writes_of_one_turn_leave_a_node_as_one_command_message(bus: B
         assert await db.pool.fetchval("select count(*) from changes") == 10
     finally:
         await writer.stop(grace=2)
+
+
+async def test_a_member_that_fails_brings_the_batch_back_and_every_member_is_answered(bus: Bus) -> None:
+    """A member whose handler raises does not hold the others' answers: the batch reply carries them,
+    then the whole batch comes back (redelivered) and the failed member is answered too."""
+    exchange = f"test.batch.{uuid.uuid4().hex[:8]}"
+    await bus.declare_exchange(exchange)
+    work = await bus.declare_queue(QueueSpec(f"test.batch.{uuid.uuid4().hex[:8]}", QueueKind.WORK))
+    await bus.bind(work, exchange, "#")
+    handled: list[tuple[str, bool]] = []
+
+    async def handle(delivery: Delivery) -> None:
+        assert isinstance(delivery.message, Ping)
+        handled.append((delivery.message.nonce, delivery.redelivered))
+        if delivery.message.nonce == "flaky" and not delivery.redelivered:
+            raise RuntimeError("a transient failure")
+        await bus.reply(delivery, Pong(nonce=delivery.message.nonce, responder=str(delivery.delivery_count)))
+
+    consumer = await bus.consume(work, handle, prefetch=10)
+    try:
+        answered: list[str] = []
+
+        async def ask(nonce: str) -> Pong:
+            reply = await bus.request(exchange, "ping", Ping(nonce=nonce), timeout=WAIT, batch_key="ping.batch")
+            answered.append(nonce)
+            assert isinstance(reply.message, Pong)
+            return reply.message
+
+        pongs = await asyncio.gather(ask("a"), ask("flaky"), ask("b"))
+        assert [p.nonce for p in pongs] == ["a", "flaky", "b"]
+        assert pongs[1].responder == "2"  # answered by the second delivery of the batch
+        assert answered.index("flaky") == 2  # the others did not wait for it
+        assert handled[:3] == [("a", False), ("flaky", False), ("b", False)]
+        assert ("flaky", True) in handled[3:]
+    finally:
+        await consumer.drain(1)
