@@ -10,7 +10,9 @@ its request, in this order, so that the cheapest refusal comes first:
    429 ``rate_limited`` with ``retry_after`` in the envelope, sent on as ``Retry-After``;
 3. validation with :mod:`protocol.corpus`, the functions the writer runs again (422 / 400);
 4. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with routing key
-   ``<corpus_id>.<operation>``, this node's corpus headers and a deadline; the writer's result is
+   ``<corpus_id>.<operation>``, this node's corpus headers and a deadline, sent with the other writes
+   of the same event-loop turn as one batch message (routing key ``<corpus_id>.batch``, the bus's
+   batch form, :mod:`infra.bus.batch`) answered by one reply; the writer's result is
    returned once its corpus headers are checked (a reply from a writer of another corpus or history
    is 503 ``lineage_unavailable``, never passed on); no reply by the deadline is 504 "outcome unknown".
 
@@ -44,6 +46,9 @@ from protocol.events import HEADER_CORPUS_ID, HEADER_LINEAGE
 from protocol.messages import ErrorReply
 
 log = get_logger("toastmachine.actors.ingress")
+
+#: The last word of the routing key of a batch of writes (``<corpus_id>.batch``).
+WRITE_BATCH = "batch"
 
 #: What a 428 tells a web client to do (the MCP front passes its own: read the guide resource).
 HTTP_ONBOARDING_HINT = "GET /guide with your credential, then retry the identical request with the same Operation-Token."
@@ -97,8 +102,11 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
     command = WriteCommand(operation=operation, target=target, body=body, author_id=author.agent_id,
                            author_name=author.name, token=token)
     try:
+        # Every write of this event-loop turn travels in one command message (the bus's batch form),
+        # answered by one reply; each keeps its own deadline, answer and error.
         reply = await node.bus.request(COMMANDS_EXCHANGE, scope.command_key(operation), command,
-                                       timeout=node.settings.command_timeout, headers=scope.headers())
+                                       timeout=node.settings.command_timeout, headers=scope.headers(),
+                                       batch_key=scope.command_key(WRITE_BATCH))
     except RequestTimeout:
         raise GatewayTimeout() from None
     except Unroutable:

@@ -71,6 +71,12 @@ class _LiveCollector(Collector):
             for outcome in ("published", "delivered", "acked", "nacked", "dead_lettered"):
                 counters.add_metric([bus.backend, outcome], float(getattr(s, outcome)))
             yield counters
+            batches = CounterMetricFamily(
+                "toastmachine_bus_request_batches", "Requests sent together as one batch message, and those messages.",
+                labels=["backend", "what"])
+            batches.add_metric([bus.backend, "messages"], float(s.request_batches))
+            batches.add_metric([bus.backend, "requests"], float(s.batched_requests))
+            yield batches
             reconnects = CounterMetricFamily("toastmachine_bus_reconnects", "Bus reconnections.",
                                              labels=["backend"])
             reconnects.add_metric([bus.backend], float(s.reconnects))

@@ -124,3 +124,28 @@ class Probe(BusMessage):
     TYPE: ClassVar[str] = "system.probe"
     n: int
     data: str = ""
+
+
+@register
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestBatch(BusMessage):
+    """Several requests sent as one message (the batch form of :meth:`~infra.bus.base.Bus.request`).
+
+    Each member is an object ``{"correlation_id", "routing_key", "type", "body", "headers"}``: the
+    member's own correlation id (its answer is matched by it), routing key, wire type, encoded body
+    (JSON text) and headers (its own ``x-deadline`` and trace id). The consuming bus splits it
+    before any handler sees it; a member it cannot decode is answered and dead-lettered alone.
+    """
+
+    TYPE: ClassVar[str] = "system.batch"
+    members: list[dict[str, Any]]
+
+
+@register
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchReply(BusMessage):
+    """The one reply to a :class:`RequestBatch`: each answer is ``{"correlation_id", "type", "body",
+    "headers"}`` for one member, sent once every member is decided."""
+
+    TYPE: ClassVar[str] = "system.batch-reply"
+    answers: list[dict[str, Any]]

@@ -13,7 +13,8 @@ Steps 4-7 are :func:`actors.commands.submit_write`, which the MCP front's write 
    429 ``rate_limited`` with ``retry_after`` in the envelope, sent on as ``Retry-After``;
 6. validation with :mod:`protocol.corpus`, the functions the writer runs again (422 / 400);
 7. a :class:`~protocol.commands.WriteCommand` on ``tm.commands`` with routing key
-   ``<corpus_id>.<operation>``, this node's corpus headers and a deadline; the writer's reply becomes
+   ``<corpus_id>.<operation>``, this node's corpus headers and a deadline (the writes of one
+   event-loop turn travel together as one batch message with one reply); the writer's reply becomes
    the answer, byte for byte, once its corpus headers are checked (a reply from a writer of another
    corpus or history is 503 ``lineage_unavailable``, never passed on); no reply by the deadline →
    504 "outcome unknown".

@@ -32,6 +32,15 @@ Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, o
   reply-to) and waits for :meth:`Bus.reply` up to its deadline, else raises :class:`RequestTimeout`.
   The deadline travels in header ``x-deadline`` (Unix epoch milliseconds) so workers can skip work
   whose requester gave up.
+* Batch form: requests made with the same ``batch_key`` (and exchange and headers) in one turn of
+  the event loop travel as ONE :class:`~protocol.messages.RequestBatch` with routing key
+  ``batch_key`` (at most ``max_batch_count`` members and ``max_batch_bytes`` bytes; a lone request
+  goes as itself) and are answered by ONE :class:`~protocol.messages.BatchReply`. The batch's
+  ``x-deadline`` is its latest member's. The consuming bus splits it before the handler: each member
+  is a delivery of its own (its own headers, deadline, reply and settling); a member it cannot
+  decode is answered 400 ``undecodable_command`` and dead-lettered alone with the reason; the batch
+  reply goes once every member is decided. Each requester still waits for its own answer only, up
+  to its own deadline (:mod:`infra.bus.batch`).
 * Every publish carries the current trace id (``x-trace-id``); consumers bind it while handling.
 """
 
@@ -145,6 +154,11 @@ class Delivery(abc.ABC):
     async def dead_letter(self, reason: str) -> None:
         """Poison: publish it to ``tm.dead`` with ``reason`` (confirmed), then settle it."""
 
+    @abc.abstractmethod
+    async def dead_letter_member(self, type_name: str | None, body: bytes, headers: Headers) -> None:
+        """Publish one member of this batch delivery alone to ``tm.dead`` (confirmed), with ``headers``
+        (which carry the reason); the batch itself stays unsettled."""
+
 
 Handler = Callable[[Delivery], Awaitable[None]]
 
@@ -180,6 +194,9 @@ class BusStats:
     acked: int = 0
     nacked: int = 0
     dead_lettered: int = 0
+    #: Batch messages of the batch form published, and the requests they carried.
+    request_batches: int = 0
+    batched_requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -262,9 +279,12 @@ class Bus(abc.ABC):
         *,
         timeout: float,
         headers: Headers | None = None,
+        batch_key: str | None = None,
     ) -> Delivery:
         """Publish (mandatory) with a reply address and wait for the reply, at most ``timeout`` seconds.
 
+        With ``batch_key``, the request may travel inside a batch with others made in the same
+        event-loop turn (see the module docstring); the answer and errors are the same.
         Raises RequestTimeout (outcome unknown), Unroutable (nobody listens), BusUnavailable.
         The returned reply delivery needs no settling.
         """

@@ -45,8 +45,8 @@ from infra.bus.base import (
     HeaderValue,
     QueueKind,
     QueueSpec,
-    deadline_header,
 )
+from infra.bus.batch import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_BATCH_COUNT, RequestBatcher
 from infra.bus.policy import (
     DEAD_EXCHANGE_HEADER,
     DEAD_QUEUE_HEADER,
@@ -54,16 +54,16 @@ from infra.bus.policy import (
     DEFAULT_MAX_PENDING_REQUESTS,
     REASON_DELIVERY_LIMIT,
     REASON_REJECTED,
+    BatchMember,
     PendingRequests,
     RawMessage,
-    ReplyDelivery,
     dead_letter_headers,
     handle_delivery,
     outgoing_headers,
 )
 from infra.logs import get_logger
-from protocol.errors import BusError, BusUnavailable, RequestTimeout, Unroutable
-from protocol.messages import BusMessage, decode_message, encode_message
+from protocol.errors import BusError, BusUnavailable, Unroutable
+from protocol.messages import BusMessage, encode_message
 
 log = get_logger("toastmachine.bus.memory")
 
@@ -167,6 +167,12 @@ class _MemoryDelivery(Delivery):
         bus._route_dead(self._stored, dead_letter_headers(self, queue.name, reason), queue.name)
         bus.stats.dead_lettered += 1
 
+    async def dead_letter_member(self, type_name: str | None, body: bytes, headers: Headers) -> None:
+        bus, queue = self._consumer.bus, self._consumer.queue
+        member = _Message(self.exchange, self.routing_key, type_name, body, dict(headers), None, None, None)
+        bus._route_dead(member, dict(headers), queue.name)
+        bus.stats.dead_lettered += 1
+
 
 class _MemoryConsumer(Consumer):
     def __init__(self, bus: MemoryBus, queue: _Queue, handler: Handler, prefetch: int) -> None:
@@ -246,12 +252,14 @@ class MemoryBus(Bus):
     Args:
         max_queue_length: bound of every WORK queue and of ``tm.dead.letters``, in messages.
         max_pending_requests: most :meth:`request` calls waiting for a reply at once.
+        max_batch_count / max_batch_bytes: bounds of one request batch (:mod:`infra.bus.batch`).
     """
 
     backend = "memory"
 
     def __init__(self, *, max_queue_length: int = DEFAULT_MAX_QUEUE_LENGTH,
-                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> None:
+                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+                 max_batch_count: int = DEFAULT_MAX_BATCH_COUNT, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
         super().__init__()
         self.max_queue_length = max_queue_length
         self._open = False
@@ -260,6 +268,8 @@ class MemoryBus(Bus):
         self._queues: dict[str, _Queue] = {}
         self._consumers: set[_MemoryConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
+        self._batcher = RequestBatcher(self._send_request, self._pending, self.stats, max_count=max_batch_count,
+                                       max_bytes=max_batch_bytes)
         self._reply_address = ""
         # Set whenever a ready message leaves a queue: publishers blocked on a full queue re-check.
         self._room = asyncio.Event()
@@ -584,26 +594,31 @@ class MemoryBus(Bus):
         *,
         timeout: float,
         headers: Headers | None = None,
+        batch_key: str | None = None,
     ) -> Delivery:
         self._ensure_open()
-        correlation_id = uuid.uuid4().hex
-        future = self._pending.add(correlation_id)
-        try:
-            type_name, body = encode_message(message)
-            all_headers = outgoing_headers({**deadline_header(timeout), **(headers or {})})
-            await self._publish(exchange, routing_key, type_name, body, all_headers, message_id=None,
-                                correlation_id=correlation_id, reply_to=self._reply_address,
-                                mandatory=True, timeout=timeout)
-            try:
-                async with asyncio.timeout(timeout):
-                    return await future
-            except TimeoutError:
-                raise RequestTimeout(f"no reply to {type_name!r} on {exchange!r} within {timeout}s; "
-                                     "the outcome is unknown") from None
-        finally:
-            self._pending.discard(correlation_id)
+        type_name, body = encode_message(message)
+        return await self._batcher.request(exchange, routing_key, type_name, body, timeout=timeout, headers=headers,
+                                           batch_key=batch_key)
+
+    async def request_raw(self, exchange: str, routing_key: str, type_name: str, body: bytes, *, timeout: float,
+                          headers: Headers | None = None, batch_key: str | None = None) -> Delivery:
+        """:meth:`request` with bytes as they are, bypassing the encoder: for tests and diagnostics only
+        (how a test puts an undecodable member in a batch)."""
+        self._ensure_open()
+        return await self._batcher.request(exchange, routing_key, type_name, bytes(body), timeout=timeout,
+                                           headers=headers, batch_key=batch_key)
+
+    async def _send_request(self, exchange: str, routing_key: str, type_name: str, body: bytes,
+                            headers: dict[str, HeaderValue], correlation_id: str, timeout: float) -> None:
+        await self._publish(exchange, routing_key, type_name, body, headers, message_id=None,
+                            correlation_id=correlation_id, reply_to=self._reply_address,
+                            mandatory=True, timeout=timeout)
 
     async def reply(self, request: Delivery, message: BusMessage, *, headers: Headers | None = None) -> None:
+        if isinstance(request, BatchMember):
+            request.answer_with(message, headers)
+            return
         if not request.reply_to:
             return
         type_name, body = encode_message(message)
@@ -614,13 +629,9 @@ class MemoryBus(Bus):
                        message_id: str | None, correlation_id: str | None) -> None:
         if address != self._reply_address:
             return  # the requester's connection is gone: RabbitMQ drops such replies too
-
-        def make() -> ReplyDelivery:
-            return ReplyDelivery(decode_message(type_name, body), exchange="", routing_key=address,
-                                 headers=headers, message_id=message_id, correlation_id=correlation_id)
-
-        if self._pending.resolve(correlation_id, make):
-            self.stats.delivered += 1
+        self.stats.delivered += self._batcher.resolve_reply(
+            type_name, body, headers, exchange="", routing_key=address, message_id=message_id,
+            correlation_id=correlation_id)
 
 
 def _arguments(spec: QueueSpec) -> tuple[object, ...]:

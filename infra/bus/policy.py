@@ -16,10 +16,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from infra.bus.base import DEAD_REASON_HEADER, Delivery, Handler, HeaderValue
+import orjson
+
+from infra.bus.base import DEAD_REASON_HEADER, DEADLINE_HEADER, Delivery, Handler, HeaderValue
 from infra.logs import TRACE_HEADER, bound_trace, current_trace_id
 from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError
-from protocol.messages import BusMessage, ErrorReply, decode_message
+from protocol.messages import BatchReply, BusMessage, ErrorReply, RequestBatch, decode_message, encode_message
 
 #: Where a dead letter was first published (exchange and routing key), beside x-tm-dead-reason.
 DEAD_EXCHANGE_HEADER = "x-tm-dead-exchange"
@@ -63,11 +65,12 @@ async def handle_delivery(
 
     ``reply`` (the bus's :meth:`~infra.bus.base.Bus.reply`) answers a request whose body cannot be
     decoded with an :class:`~protocol.messages.ErrorReply` at once, so its requester does not wait
-    for its deadline; the message itself is dead-lettered with the reason.
+    for its deadline; the message itself is dead-lettered with the reason. A
+    :class:`~protocol.messages.RequestBatch` is split: see :func:`_handle_batch`.
     """
     # A message without a trace id gets a fresh one; it only needs to be unique, not secret, and
     # uuid4() (os.urandom) is a noticeable share of the per-message cost.
-    with bound_trace(delivery.trace_id or f"{random.getrandbits(128):032x}", queue=queue):
+    with bound_trace(delivery.trace_id or _fresh_trace(), queue=queue):
         try:
             delivery.message = decode_message(type_name, body)
         except ProtocolDecodeError as e:
@@ -76,21 +79,156 @@ async def handle_delivery(
                 await _answer_undecodable(delivery, str(e), reply, log)
             await _dead_letter(delivery, str(e), log)
             return
-        try:
-            await handler(delivery)
-        except ProtocolDecodeError as e:
-            if not delivery.settled:
-                log.warning("bus.poison", queue=queue, message_type=type_name, error=str(e))
-                await _dead_letter(delivery, str(e), log)
+        if isinstance(delivery.message, RequestBatch):
+            await _handle_batch(delivery, delivery.message, handler, queue=queue, log=log, reply=reply)
             return
-        except Exception as e:
-            log.warning("bus.handler_failed", queue=queue, message_type=type_name, error=repr(e),
-                        delivery_count=delivery.delivery_count, exc_info=True)
-            if not delivery.settled:
-                await delivery.nack(requeue=True)
-            return
+        await _run_handler(delivery, type_name, handler, queue=queue, log=log)
         if not delivery.settled:
             await delivery.ack()
+
+
+def _fresh_trace() -> str:
+    return f"{random.getrandbits(128):032x}"
+
+
+async def _run_handler(delivery: Delivery, type_name: str | None, handler: Handler, *, queue: str,
+                       log: Any) -> None:
+    """Run ``handler``; dead-letter on ProtocolDecodeError, requeue on any other exception."""
+    try:
+        await handler(delivery)
+    except ProtocolDecodeError as e:
+        if not delivery.settled:
+            log.warning("bus.poison", queue=queue, message_type=type_name, error=str(e))
+            await _dead_letter(delivery, str(e), log)
+    except Exception as e:
+        log.warning("bus.handler_failed", queue=queue, message_type=type_name, error=repr(e),
+                    delivery_count=delivery.delivery_count, exc_info=True)
+        if not delivery.settled:
+            await delivery.nack(requeue=True)
+
+
+class BatchMember(Delivery):
+    """One request of a :class:`~protocol.messages.RequestBatch`, handed to the handler as if it had
+    come alone: its own headers (deadline, trace id) over the batch's, its own correlation id.
+
+    Settling it settles only the member: an ack or a reply is kept for the batch's one reply, a
+    dead letter republishes the member alone to ``tm.dead`` with the reason (through the batch's
+    delivery), a requeue makes the whole batch come again once every member is decided (members
+    already applied are then answered from their idempotency records).
+    """
+
+    def __init__(self, batch: Delivery, member: Mapping[str, Any], queue: str) -> None:
+        super().__init__()
+        self.batch = batch
+        self.queue = queue
+        headers = {k: v for k, v in batch.headers.items() if k not in (DEADLINE_HEADER, TRACE_HEADER)}
+        own = member.get("headers")
+        if isinstance(own, dict):
+            headers.update({str(k): v for k, v in own.items() if _is_header_value(v)})
+        self.headers = headers
+        self.exchange = batch.exchange
+        routing_key = member.get("routing_key")
+        self.routing_key = routing_key if isinstance(routing_key, str) else batch.routing_key
+        correlation_id = member.get("correlation_id")
+        self.correlation_id = correlation_id if isinstance(correlation_id, str) else None
+        self.message_id = None
+        self.reply_to = batch.reply_to if self.correlation_id is not None else None
+        self.redelivered = batch.redelivered
+        self.delivery_count = batch.delivery_count
+        type_name = member.get("type")
+        self.type_name = type_name if isinstance(type_name, str) else None
+        raw = member.get("body")
+        self.body = raw.encode() if isinstance(raw, str) else orjson.dumps(raw)
+        #: The encoded answer for the batch reply, once the handler replied.
+        self.answer: dict[str, Any] | None = None
+        #: The handler asked for the member to come again.
+        self.requeue = False
+
+    def answer_with(self, message: BusMessage, headers: Mapping[str, HeaderValue] | None) -> None:
+        """Keep ``message`` as this member's answer (what :meth:`Bus.reply` does with a member)."""
+        if self.correlation_id is None:
+            return
+        type_name, body = encode_message(message)
+        self.answer = {"correlation_id": self.correlation_id, "type": type_name, "body": body.decode(),
+                       "headers": outgoing_headers(headers)}
+
+    async def ack(self) -> None:
+        self.settled = True
+
+    async def nack(self, requeue: bool = True) -> None:
+        if self.settled:
+            return
+        if requeue:
+            self.settled = True
+            self.requeue = True
+        else:
+            await self.dead_letter(REASON_REJECTED)
+
+    async def dead_letter(self, reason: str) -> None:
+        if self.settled:
+            return
+        try:
+            await self.batch.dead_letter_member(self.type_name, self.body,
+                                                dead_letter_headers(self, self.queue, reason))
+        except BaseException:
+            # The copy is not safe in tm.dead: the whole batch comes again rather than lose it.
+            self.settled = True
+            self.requeue = True
+            raise
+        self.settled = True
+
+    async def dead_letter_member(self, type_name: str | None, body: bytes,
+                                 headers: Mapping[str, HeaderValue]) -> None:
+        """Batches do not nest: a member has no members."""
+        raise BusError("a batch member has no members")
+
+
+def _is_header_value(value: object) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+async def _handle_batch(batch: Delivery, message: RequestBatch, handler: Handler, *, queue: str, log: Any,
+                        reply: Callable[[Delivery, BusMessage], Awaitable[None]] | None) -> None:
+    """Split a batch into its members, run the handler on every member at once (so that a writer
+    commits them together), then send the one :class:`BatchReply` and settle the batch.
+
+    A member that cannot be decoded is answered 400 ``undecodable_command`` and dead-lettered alone;
+    the others go on. The batch is acked once every member is acked or dead-lettered, and requeued
+    (whole) if a member asked for it.
+    """
+    members: list[BatchMember] = []
+    for raw in message.members:
+        member = BatchMember(batch, raw if isinstance(raw, dict) else {"body": raw}, queue)
+        members.append(member)
+        with bound_trace(member.trace_id or _fresh_trace(), queue=queue):
+            try:
+                if not isinstance(raw, dict):
+                    raise ProtocolDecodeError("a batch member is not a JSON object")
+                member.message = decode_message(member.type_name, member.body)
+            except ProtocolDecodeError as e:
+                log.warning("bus.undecodable", queue=queue, error=str(e), batch_member=True)
+                if reply is not None and member.reply_to:
+                    await _answer_undecodable(member, str(e), reply, log)
+                await _dead_letter(member, str(e), log)
+    await asyncio.gather(*(_run_member(m, handler, queue=queue, log=log) for m in members if not m.settled))
+    answers = [m.answer for m in members if m.answer is not None]
+    if reply is not None and batch.reply_to and answers:
+        try:
+            await reply(batch, BatchReply(answers=answers))
+        except BusError as e:
+            # Nothing is lost: the requesters time out ("outcome unknown") and retry with their tokens.
+            log.warning("bus.batch_reply_failed", queue=queue, error=str(e))
+    if any(m.requeue for m in members):
+        await batch.nack(requeue=True)
+    else:
+        await batch.ack()
+
+
+async def _run_member(member: BatchMember, handler: Handler, *, queue: str, log: Any) -> None:
+    with bound_trace(member.trace_id or _fresh_trace(), queue=queue):
+        await _run_handler(member, member.type_name, handler, queue=queue, log=log)
+        if not member.settled:
+            await member.ack()
 
 
 async def _answer_undecodable(delivery: Delivery, reason: str,
@@ -149,6 +287,10 @@ class ReplyDelivery(Delivery):
 
     async def dead_letter(self, reason: str) -> None:
         """Nothing to do: a reply has no queue to be dead-lettered from."""
+
+    async def dead_letter_member(self, type_name: str | None, body: bytes,
+                                 headers: Mapping[str, HeaderValue]) -> None:
+        """Nothing to do: a reply carries no batch members."""
 
 
 class PendingRequests:

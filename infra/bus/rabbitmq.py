@@ -58,24 +58,24 @@ from infra.bus.base import (
     HeaderValue,
     QueueKind,
     QueueSpec,
-    deadline_header,
 )
+from infra.bus.batch import DEFAULT_MAX_BATCH_BYTES, DEFAULT_MAX_BATCH_COUNT, RequestBatcher
 from infra.bus.policy import (
     DEAD_EXCHANGE_HEADER,
     DEAD_QUEUE_HEADER,
     DEAD_ROUTING_KEY_HEADER,
     DEFAULT_MAX_PENDING_REQUESTS,
+    BatchMember,
     PendingRequests,
     RawMessage,
-    ReplyDelivery,
     dead_letter_headers,
     handle_delivery,
     outgoing_headers,
 )
 from infra.config import redact_url
 from infra.logs import get_logger
-from protocol.errors import BusError, BusUnavailable, RequestTimeout, Unroutable
-from protocol.messages import CONTENT_TYPE, BusMessage, decode_message, encode_message
+from protocol.errors import BusError, BusUnavailable, Unroutable
+from protocol.messages import CONTENT_TYPE, BusMessage, encode_message
 
 log = get_logger("toastmachine.bus.rabbitmq")
 
@@ -108,13 +108,15 @@ class RabbitBus(Bus):
         connect_timeout: seconds the first connect may take before BusUnavailable.
         reconnect_interval: seconds between reconnect attempts after the connection dropped.
         max_pending_requests: most :meth:`request` calls waiting for a reply at once.
+        max_batch_count / max_batch_bytes: bounds of one request batch (:mod:`infra.bus.batch`).
     """
 
     backend = "rabbitmq"
 
     def __init__(self, url: str, *, connection_name: str = "toastmachine", connect_timeout: float = 10.0,
                  reconnect_interval: float = 1.0,
-                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS) -> None:
+                 max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+                 max_batch_count: int = DEFAULT_MAX_BATCH_COUNT, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
         super().__init__()
         self.url = url
         self.connection_name = connection_name
@@ -130,6 +132,8 @@ class RabbitBus(Bus):
         self._queue_args: dict[str, dict[str, Any]] = {}
         self._consumers: set[_RabbitConsumer] = set()
         self._pending = PendingRequests(max_pending_requests)
+        self._batcher = RequestBatcher(self._send_request, self._pending, self.stats, max_count=max_batch_count,
+                                       max_bytes=max_batch_bytes)
         # Mirrors stats.connected for waiters: set once the (re)connect has restored the topology.
         self._up = asyncio.Event()
         self._closing = False
@@ -514,40 +518,39 @@ class RabbitBus(Bus):
         *,
         timeout: float,
         headers: Headers | None = None,
+        batch_key: str | None = None,
     ) -> Delivery:
-        _, _, rpc = self._channels()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        self._channels()
         type_name, body = encode_message(message)
-        correlation_id = uuid.uuid4().hex
-        future = self._pending.add(correlation_id)
-        try:
-            properties = _properties(
-                content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, message_type=type_name,
-                headers=outgoing_headers({**deadline_header(timeout), **(headers or {})}),
-                correlation_id=correlation_id, reply_to=DIRECT_REPLY_TO)
-            await self._send(rpc, exchange, routing_key, body, properties, mandatory=True, timeout=timeout)
-            # A reply lost to a reconnect (its reply-to address died with the old channel) is
-            # simply never seen: the request waits for its own deadline, then the outcome is unknown.
-            try:
-                async with asyncio.timeout_at(deadline):
-                    return await future
-            except TimeoutError:
-                raise RequestTimeout(f"no reply to {type_name!r} on {exchange!r} within {timeout}s; "
-                                     "the outcome is unknown") from None
-        finally:
-            self._pending.discard(correlation_id)
+        return await self._batcher.request(exchange, routing_key, type_name, body, timeout=timeout, headers=headers,
+                                           batch_key=batch_key)
+
+    async def request_raw(self, exchange: str, routing_key: str, type_name: str, body: bytes, *, timeout: float,
+                          headers: Headers | None = None, batch_key: str | None = None) -> Delivery:
+        """:meth:`request` with bytes as they are, bypassing the encoder: for tests and diagnostics only
+        (how a test puts an undecodable member in a batch)."""
+        self._channels()
+        return await self._batcher.request(exchange, routing_key, type_name, bytes(body), timeout=timeout,
+                                           headers=headers, batch_key=batch_key)
+
+    async def _send_request(self, exchange: str, routing_key: str, type_name: str, body: bytes,
+                            headers: dict[str, HeaderValue], correlation_id: str, timeout: float) -> None:
+        _, _, rpc = self._channels()
+        properties = _properties(
+            content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, message_type=type_name, headers=headers,
+            correlation_id=correlation_id, reply_to=DIRECT_REPLY_TO)
+        await self._send(rpc, exchange, routing_key, body, properties, mandatory=True, timeout=timeout)
 
     async def _on_reply(self, incoming: AbstractIncomingMessage) -> None:
-        def make() -> ReplyDelivery:
-            return ReplyDelivery(decode_message(incoming.type, incoming.body), exchange=incoming.exchange or "",
-                                 routing_key=incoming.routing_key or "", headers=_headers(incoming.headers),
-                                 message_id=incoming.message_id, correlation_id=incoming.correlation_id)
-
-        if self._pending.resolve(incoming.correlation_id, make):
-            self.stats.delivered += 1
+        self.stats.delivered += self._batcher.resolve_reply(
+            incoming.type, incoming.body, _headers(incoming.headers), exchange=incoming.exchange or "",
+            routing_key=incoming.routing_key or "", message_id=incoming.message_id,
+            correlation_id=incoming.correlation_id)
 
     async def reply(self, request: Delivery, message: BusMessage, *, headers: Headers | None = None) -> None:
+        if isinstance(request, BatchMember):
+            request.answer_with(message, headers)
+            return
         if not request.reply_to:
             return
         _, pub, _ = self._channels()
@@ -622,6 +625,16 @@ class _RabbitDelivery(Delivery):
         if self._claim():
             await self._settle(requeue=None)
             bus.stats.dead_lettered += 1
+
+    async def dead_letter_member(self, type_name: str | None, body: bytes, headers: Headers) -> None:
+        bus = self.consumer.bus
+        _, pub, _ = bus._channels()
+        original = self.raw.header.properties
+        properties = _properties(content_type=original.content_type, delivery_mode=_PERSISTENT,
+                                 message_type=type_name, headers=dict(headers))
+        await bus._send(pub, DEAD_EXCHANGE, self.consumer.queue_name, body, properties, mandatory=False,
+                        timeout=10.0)
+        bus.stats.dead_lettered += 1
 
     async def _settle(self, *, requeue: bool | None) -> None:
         """basic.ack (requeue None) or basic.nack, on the channel the message came on."""
