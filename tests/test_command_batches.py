@@ -105,7 +105,7 @@ async def test_a_mixed_batch_answers_each_member_and_dead_letters_the_undecodabl
         replies = await asyncio.gather(
             *(bus.request(COMMANDS_EXCHANGE, scope.command_key(c.operation), c, timeout=WAIT,
                           headers=scope.headers(), batch_key=batch_key) for c in [*good, forged]),
-            bus.request_raw(COMMANDS_EXCHANGE, scope.command_key(Picky.TYPE), Picky.TYPE,  # type: ignore[attr-defined]
+            bus.request_raw(COMMANDS_EXCHANGE, scope.command_key(Picky.TYPE), Picky.TYPE,
                             bad_body, timeout=WAIT, headers=scope.headers(), batch_key=batch_key))
         *written, refused, undecodable = (r.message for r in replies)
         assert all(isinstance(w, WriteResult) and w.status == 201 for w in written), written

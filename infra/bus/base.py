@@ -51,9 +51,12 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from protocol.messages import BusMessage
+from protocol.messages import BusMessage, encode_message
+
+if TYPE_CHECKING:  # infra.bus.batch imports this module, so the batcher is named for the type checker only
+    from infra.bus.batch import RequestBatcher
 
 COMMANDS_EXCHANGE = "tm.commands"
 EVENTS_EXCHANGE = "tm.events"
@@ -270,7 +273,13 @@ class Bus(abc.ABC):
     async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
         """Start delivering messages from ``queue`` to ``handler`` (see the ack policy above)."""
 
+    #: Every backend builds its :class:`~infra.bus.batch.RequestBatcher` in ``__init__``; requests go through it.
+    _batcher: RequestBatcher
+
     @abc.abstractmethod
+    def _ready_for_request(self) -> None:
+        """Raise :class:`BusUnavailable` unless this backend can send a request now (its own readiness check)."""
+
     async def request(
         self,
         exchange: str,
@@ -288,6 +297,18 @@ class Bus(abc.ABC):
         Raises RequestTimeout (outcome unknown), Unroutable (nobody listens), BusUnavailable.
         The returned reply delivery needs no settling.
         """
+        self._ready_for_request()
+        type_name, body = encode_message(message)
+        return await self._batcher.request(exchange, routing_key, type_name, body, timeout=timeout, headers=headers,
+                                           batch_key=batch_key)
+
+    async def request_raw(self, exchange: str, routing_key: str, type_name: str, body: bytes, *, timeout: float,
+                          headers: Headers | None = None, batch_key: str | None = None) -> Delivery:
+        """:meth:`request` with bytes as they are, bypassing the encoder: for tests and diagnostics only
+        (how a test puts an undecodable member in a batch)."""
+        self._ready_for_request()
+        return await self._batcher.request(exchange, routing_key, type_name, bytes(body), timeout=timeout,
+                                           headers=headers, batch_key=batch_key)
 
     @abc.abstractmethod
     async def reply(self, request: Delivery, message: BusMessage, *, headers: Headers | None = None) -> None:

@@ -510,28 +510,8 @@ class RabbitBus(Bus):
 
     # --- request / reply ---------------------------------------------------------------------
 
-    async def request(
-        self,
-        exchange: str,
-        routing_key: str,
-        message: BusMessage,
-        *,
-        timeout: float,
-        headers: Headers | None = None,
-        batch_key: str | None = None,
-    ) -> Delivery:
+    def _ready_for_request(self) -> None:
         self._channels()
-        type_name, body = encode_message(message)
-        return await self._batcher.request(exchange, routing_key, type_name, body, timeout=timeout, headers=headers,
-                                           batch_key=batch_key)
-
-    async def request_raw(self, exchange: str, routing_key: str, type_name: str, body: bytes, *, timeout: float,
-                          headers: Headers | None = None, batch_key: str | None = None) -> Delivery:
-        """:meth:`request` with bytes as they are, bypassing the encoder: for tests and diagnostics only
-        (how a test puts an undecodable member in a batch)."""
-        self._channels()
-        return await self._batcher.request(exchange, routing_key, type_name, bytes(body), timeout=timeout,
-                                           headers=headers, batch_key=batch_key)
 
     async def _send_request(self, exchange: str, routing_key: str, type_name: str, body: bytes,
                             headers: dict[str, HeaderValue], correlation_id: str, timeout: float) -> None:
