@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
 
 from infra.archive_store import ArchiveStore, ArchiveStoreError, CreateOnlyIgnored, ForkAlarm, ObjectNotFound
 from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec, declare_corpus_events
@@ -69,6 +69,7 @@ from infra.db.lock_session import (
     pause,
 )
 from infra.db.pool import UNAVAILABLE_ERRORS, Target
+from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
 from protocol.archive import (
     FRAME_OVERHEAD,
@@ -640,28 +641,13 @@ class Archiver(Actor):
         await pause(seconds, self._stop_requested, *events)
 
 
-class ArchiverCollector(Collector):
+class ArchiverCollector(SingleActiveCollector[Archiver]):
     """Prometheus gauges of the archiver running in this process (read at scrape time)."""
 
-    def __init__(self, current: Callable[[], Actor | None]) -> None:
-        self._current = current
-
-    def describe(self) -> Iterable[Metric]:
-        return list(self._families())
-
-    def collect(self) -> Iterable[Metric]:
-        actor = self._current()
-        active, verified, lag = self._families()
-        if isinstance(actor, Archiver):
-            active.add_metric([], 1.0 if actor.active else 0.0)
-            if Stream.PUBLIC in actor.verified_through:
-                verified.add_metric([], float(actor.verified_through[Stream.PUBLIC]))
-            if actor.lag_events is not None:
-                lag.add_metric([], float(actor.lag_events))
-        return [active, verified, lag]
+    kind = Archiver
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def families() -> tuple[Family, ...]:
         return (GaugeMetricFamily("toastmachine_archiver_active",
                                   "1 while this process's archiver holds the lock and archives."),
                 GaugeMetricFamily("toastmachine_archive_verified_through",
@@ -669,8 +655,15 @@ class ArchiverCollector(Collector):
                 GaugeMetricFamily("toastmachine_archive_lag_events",
                                   "Committed changes not yet in a verified archive segment (counted up to 100000)."))
 
+    def fill(self, actor: Archiver, families: tuple[Family, ...]) -> None:
+        active, verified, lag = families
+        active.add_metric([], 1.0 if actor.active else 0.0)
+        if Stream.PUBLIC in actor.verified_through:
+            verified.add_metric([], float(actor.verified_through[Stream.PUBLIC]))
+        if actor.lag_events is not None:
+            lag.add_metric([], float(actor.lag_events))
+
 
 def export_metrics(registry: CollectorRegistry, current: Callable[[], Actor | None]) -> None:
     """Add the archiver gauges to ``registry`` once (later calls are no-ops)."""
-    with contextlib.suppress(ValueError):
-        registry.register(ArchiverCollector(current))
+    register_once(registry, ArchiverCollector(current))

@@ -32,12 +32,11 @@ again; consumers deduplicate on the sequence (the notification hub does).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
 
 from infra.bus.base import Bus, HeaderValue, declare_corpus_events
 from infra.db import CorpusIdentity, Database
@@ -52,6 +51,7 @@ from infra.db.lock_session import (
 )
 from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
 from infra.logs import TRACE_HEADER
+from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
 from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError, ToastMachineError
 from protocol.events import ChangeEvent, event_headers
@@ -347,27 +347,13 @@ class EventPublisher(Actor):
         await pause(seconds, self._stop_requested, *events)
 
 
-class PublisherCollector(Collector):
+class PublisherCollector(SingleActiveCollector[EventPublisher]):
     """Prometheus gauges of the publisher running in this process (read at scrape time)."""
 
-    def __init__(self, current: Callable[[], Actor | None]) -> None:
-        self._current = current
-
-    def describe(self) -> Iterable[Metric]:
-        return list(self._families())
-
-    def collect(self) -> Iterable[Metric]:
-        actor = self._current()
-        active, cursor, published = self._families()
-        if isinstance(actor, EventPublisher):
-            active.add_metric([], 1.0 if actor.active else 0.0)
-            if actor.cursor is not None:
-                cursor.add_metric([], float(actor.cursor))
-            published.add_metric([], float(actor.published))
-        return [active, cursor, published]
+    kind = EventPublisher
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def families() -> tuple[Family, ...]:
         return (GaugeMetricFamily("toastmachine_publisher_active",
                                   "1 while this process's event publisher holds the lock and publishes."),
                 GaugeMetricFamily("toastmachine_publisher_cursor",
@@ -375,8 +361,14 @@ class PublisherCollector(Collector):
                 CounterMetricFamily("toastmachine_publisher_events",
                                     "Events this process published and had confirmed (republished included)."))
 
+    def fill(self, actor: EventPublisher, families: tuple[Family, ...]) -> None:
+        active, cursor, published = families
+        active.add_metric([], 1.0 if actor.active else 0.0)
+        if actor.cursor is not None:
+            cursor.add_metric([], float(actor.cursor))
+        published.add_metric([], float(actor.published))
+
 
 def export_metrics(registry: CollectorRegistry, current: Callable[[], Actor | None]) -> None:
     """Add the publisher gauges to ``registry`` once (later calls are no-ops)."""
-    with contextlib.suppress(ValueError):  # already registered: the collector reads the current actor
-        registry.register(PublisherCollector(current))
+    register_once(registry, PublisherCollector(current))

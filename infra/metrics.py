@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import abc
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from infra.bus.base import Bus
-from infra.runtime import ActorHealth, ActorState
+from infra.runtime import Actor, ActorHealth, ActorState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+A = TypeVar("A", bound=Actor)
+#: The metric families a :class:`SingleActiveCollector` fills (both take ``add_metric``).
+Family = GaugeMetricFamily | CounterMetricFamily
 
 
 class Metrics:
@@ -91,3 +98,47 @@ class _LiveCollector(Collector):
             restarts.add_metric([name], float(health.restarts))
         yield running
         yield restarts
+
+
+class SingleActiveCollector(Collector, abc.ABC, Generic[A]):
+    """Prometheus families of a single-active actor (one lock holder per corpus: the publisher, the
+    archiver) as it runs in this process, read at scrape time.
+
+    Subclasses set :attr:`kind`, name their families in :meth:`families` and fill them from the actor
+    in :meth:`fill`; while this process runs no such actor, the families are exported empty.
+
+    Args:
+        current: returns the actor this process runs now (the supervisor replaces it on restart).
+    """
+
+    #: The actor class whose state is exported; any other current actor exports nothing.
+    kind: type[A]
+
+    def __init__(self, current: Callable[[], Actor | None]) -> None:
+        self._current = current
+
+    @staticmethod
+    @abc.abstractmethod
+    def families() -> tuple[Family, ...]:
+        """Fresh, empty metric families (one set per scrape)."""
+
+    @abc.abstractmethod
+    def fill(self, actor: A, families: tuple[Family, ...]) -> None:
+        """Add this scrape's samples from ``actor`` to ``families`` (as :meth:`families` ordered them)."""
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.families())
+
+    def collect(self) -> Iterable[Metric]:
+        actor = self._current()
+        families = self.families()
+        if isinstance(actor, self.kind):
+            self.fill(actor, families)
+        return list(families)
+
+
+def register_once(registry: CollectorRegistry, collector: Collector) -> None:
+    """Register ``collector`` unless one exporting the same names already is (later calls are no-ops):
+    the registered collector reads the current actor, so a restarted actor needs no new one."""
+    with contextlib.suppress(ValueError):  # the registry refuses names it already exports
+        registry.register(collector)
