@@ -5,6 +5,7 @@ change history of a database, cuts it into segments of ``per_segment`` events, p
 create-only, then the public key, one signed checkpoint per segment boundary (so there are older
 checkpoints to extend) and the manifest. :func:`raw_store` is the obstore handle below an
 :class:`ArchiveStore`, for tampering that the create-only contract refuses (overwrite, delete).
+The ``store`` fixture gives each test a fresh store on both backends (import :func:`store_fixture`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
+import pytest
 from obstore.store import LocalStore, S3Store
 
 from actors.archiver import PRIVATE_EXTENSION, Archiver, SealPolicy
@@ -42,6 +45,7 @@ from protocol.checkpoint import Checkpoint, SignerKey, generate_signer_key, sign
 from protocol.manifest import encode_manifest, manifest_of
 from protocol.merkle import CompactTree
 from tests.corpus_fixtures import Stack
+from tests.s3_server import S3Server
 
 
 @dataclass
@@ -141,3 +145,12 @@ def raw_store(store: ArchiveStore) -> LocalStore | S3Store:
     """The obstore store under ``store``: tests tamper through it, as an attacker with write access
     to the bucket would, bypassing the create-only contract."""
     return store._store
+
+
+@pytest.fixture(name="store", params=["directory", "seaweedfs"])
+def store_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
+    """A fresh archive store, once on a local directory and once on SeaweedFS (the S3 API)."""
+    if request.param == "directory":
+        return ArchiveStore.local(tmp_path / "archive")
+    server: S3Server = request.getfixturevalue("s3_server")
+    return server.store()

@@ -36,7 +36,7 @@ from protocol.checkpoint import (
 )
 from protocol.manifest import decode_manifest, encode_manifest, manifest_of
 from protocol.merkle import tree_root
-from tests.s3_server import S3Server
+from tests.archive_fixtures import store_fixture  # noqa: F401 - the ``store`` fixture, on both backends
 
 
 @dataclass
@@ -92,14 +92,6 @@ async def check_archive(store: ArchiveStore, lineage: uuid.UUID) -> list[Finding
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, manifest.tree_size)), verifier)
     checker.check_checkpoint(checkpoint)
     return findings + checker.findings
-
-
-@pytest.fixture(params=["directory", "seaweedfs"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
-    if request.param == "directory":
-        return ArchiveStore.local(tmp_path / "archive")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return server.store()
 
 
 async def test_a_written_archive_checks_clean(store: ArchiveStore) -> None:

@@ -33,18 +33,16 @@ from infra.archive_store import ArchiveStore
 from infra.db import Database, apply_migrations
 from protocol.archive import Stream, event_body, segment_key
 from protocol.merkle import leaf_hash, tree_root
-from tests.archive_fixtures import Archived, archive_database, archiver_caught_up, archiving, raw_store
+from tests.archive_fixtures import (
+    Archived,
+    archive_database,
+    archiver_caught_up,
+    archiving,
+    raw_store,
+    store_fixture,  # noqa: F401 - the ``store`` fixture, on both backends
+)
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
 from tests.db_fixtures import fresh_database
-from tests.s3_server import S3Server
-
-
-@pytest.fixture(params=["directory", "seaweedfs"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
-    if request.param == "directory":
-        return ArchiveStore.local(tmp_path / "archive")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return server.store()
 
 
 async def _read(stack: Stack, path: str) -> bytes:

@@ -27,19 +27,16 @@ from infra.archive_store import ArchiveStore
 from infra.db import Database, ensure_identity
 from protocol.archive import HEADER_SIZE, TRAILER_SIZE, checkpoint_key
 from protocol.checkpoint import Checkpoint, generate_signer_key, sign_checkpoint
-from tests.archive_fixtures import Archived, archive_database, raw_store
+from tests.archive_fixtures import (
+    Archived,
+    archive_database,
+    raw_store,
+    store_fixture,  # noqa: F401 - the ``store`` fixture, on both backends
+)
 from tests.s3_server import S3Server
 from toastmachine.seed import seed_corpus
 
 PER_SEGMENT = 5
-
-
-@pytest.fixture(params=["directory", "seaweedfs"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
-    if request.param == "directory":
-        return ArchiveStore.local(tmp_path / "archive")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return server.store()
 
 
 async def _archived(db: Database, store: ArchiveStore, messages: int = 20) -> Archived:
