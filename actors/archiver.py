@@ -60,15 +60,15 @@ from infra.archive_store import ArchiveStore, ArchiveStoreError, CreateOnlyIgnor
 from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec, declare_corpus_events
 from infra.db import CorpusIdentity, Database
 from infra.db.lock_session import (
-    SESSION_ERRORS,
     LockLost,
     LockSession,
     guarded,
     lock_holder,
     open_lock_session,
     pause,
+    serve_while_locked,
 )
-from infra.db.pool import UNAVAILABLE_ERRORS, Target
+from infra.db.pool import Target
 from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
 from protocol.archive import (
@@ -318,50 +318,13 @@ class Archiver(Actor):
                            "archiving nothing until the operator fixes it")
             await self._stop_requested.wait()
             return
-        session: LockSession | None = None
-        standby_logged = unavailable_logged = False
-        try:
-            while not self._stop_requested.is_set():
-                if session is None:
-                    try:
-                        session = await open_lock_session(self.db, self.dsn, ARCHIVER_LOCK,
-                                                          application_name(self.node_id))
-                    except UNAVAILABLE_ERRORS as e:
-                        if not unavailable_logged:
-                            self.log.warning("archiver.database_unavailable", error=repr(e))
-                            unavailable_logged = True
-                        await self._pause(self.standby_interval)
-                        continue
-                    unavailable_logged = False
-                try:
-                    locked = await session.try_lock()
-                except UNAVAILABLE_ERRORS as e:
-                    self.log.warning("archiver.session_lost", error=repr(e))
-                    await session.close()
-                    session = None
-                    continue
-                if not locked:
-                    if not standby_logged:
-                        self.log.info("archiver.standby", detail="another archiver holds the lock")
-                        standby_logged = True
-                    await self._pause(self.standby_interval, session.lost)
-                    if session.lost.is_set():
-                        await session.close()
-                        session = None
-                    continue
-                standby_logged = False
-                try:
-                    await self._archive_while_active(session)
-                except SESSION_ERRORS as e:
-                    self.log.warning("archiver.lock_lost", error=repr(e), detail="back to standby")
-                finally:
-                    self.active = False
-                    await session.close()
-                    session = None
-        finally:
-            self.active = False
-            if session is not None:
-                await session.close()
+        await serve_while_locked(
+            "archiver", self.log, self._stop_requested,
+            lambda: open_lock_session(self.db, self.dsn, ARCHIVER_LOCK, application_name(self.node_id)),
+            self._archive_while_active, self._inactive, self.standby_interval)
+
+    def _inactive(self) -> None:
+        self.active = False
 
     async def _archive_while_active(self, session: LockSession) -> None:
         self.active = True

@@ -41,15 +41,15 @@ from prometheus_client.registry import CollectorRegistry
 from infra.bus.base import Bus, HeaderValue, declare_corpus_events
 from infra.db import CorpusIdentity, Database
 from infra.db.lock_session import (
-    SESSION_ERRORS,
     LockLost,
     LockSession,
     guarded,
     lock_holder,
     open_lock_session,
     pause,
+    serve_while_locked,
 )
-from infra.db.pool import UNAVAILABLE_ERRORS, Target, connection
+from infra.db.pool import Target, connection
 from infra.logs import TRACE_HEADER
 from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
@@ -185,54 +185,13 @@ class EventPublisher(Actor):
                            "publishing nothing until the operator fixes it")
             await self._stop_requested.wait()
             return
-        session: LockSession | None = None
-        standby_logged = False
-        unavailable_logged = False
-        try:
-            while not self._stop_requested.is_set():
-                if session is None:
-                    try:
-                        session = await self._open_session()
-                    except UNAVAILABLE_ERRORS as e:
-                        if not unavailable_logged:
-                            self.log.warning("publisher.database_unavailable", error=repr(e),
-                                             retry_every=self.standby_interval)
-                            unavailable_logged = True
-                        await self._pause(self.standby_interval)
-                        continue
-                    unavailable_logged = False
-                try:
-                    locked = await session.try_lock()
-                except UNAVAILABLE_ERRORS as e:
-                    self.log.warning("publisher.session_lost", error=repr(e))
-                    await session.close()
-                    session = None
-                    continue
-                if not locked:
-                    if not standby_logged:
-                        self.log.info("publisher.standby", retry_every=self.standby_interval,
-                                      detail="another publisher holds the lock")
-                        standby_logged = True
-                    await self._pause(self.standby_interval, session.lost)
-                    if session.lost.is_set():
-                        await session.close()
-                        session = None
-                    continue
-                standby_logged = False
-                try:
-                    await self._publish_while_active(session)
-                except SESSION_ERRORS as e:
-                    # The lock may be someone else's by now: publish nothing more on this session.
-                    self.log.warning("publisher.lock_lost", error=repr(e), cursor=self.cursor,
-                                     detail="stopped publishing; back to standby")
-                finally:
-                    self.active = False
-                    await session.close()
-                    session = None
-        finally:
-            self.active = False
-            if session is not None:
-                await session.close()
+        await serve_while_locked(
+            "publisher", self.log, self._stop_requested, self._open_session, self._publish_while_active,
+            self._inactive, self.standby_interval, lost_detail="stopped publishing; back to standby",
+            lost_context=lambda: {"cursor": self.cursor})
+
+    def _inactive(self) -> None:
+        self.active = False
 
     async def _open_session(self) -> LockSession:
         return await open_lock_session(self.db, self.dsn, PUBLISHER_LOCK, application_name(self.node_id))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import asyncpg
@@ -155,3 +155,70 @@ async def pause(seconds: float, *events: asyncio.Event) -> None:
     finally:
         for w in waits:
             w.cancel()
+
+
+async def serve_while_locked(
+    role: str,
+    log: Any,
+    stopped: asyncio.Event,
+    open_session: Callable[[], Awaitable[LockSession]],
+    while_active: Callable[[LockSession], Awaitable[None]],
+    inactive: Callable[[], None],
+    interval: float,
+    *,
+    lost_detail: str = "back to standby",
+    lost_context: Callable[[], Mapping[str, Any]] = dict,
+) -> None:
+    """The loop of a single-active actor, until ``stopped`` is set: open a lock session, try the lock
+    every ``interval`` seconds, and while it is held run ``while_active`` on that session.
+
+    A database that cannot be reached, a session that drops and a lock lost while active each bring the
+    actor back to standby, never down; each is logged as ``<role>.<what>`` (a database that stays
+    unreachable and a lock another instance keeps are logged once, not every interval). ``inactive`` is
+    called whenever the actor stops being active (it clears the actor's own flag); ``lost_context``
+    adds the actor's own fields to the ``lock_lost`` line.
+    """
+    session: LockSession | None = None
+    standby_logged = unavailable_logged = False
+    try:
+        while not stopped.is_set():
+            if session is None:
+                try:
+                    session = await open_session()
+                except UNAVAILABLE_ERRORS as e:
+                    if not unavailable_logged:
+                        log.warning(f"{role}.database_unavailable", error=repr(e), retry_every=interval)
+                        unavailable_logged = True
+                    await pause(interval, stopped)
+                    continue
+                unavailable_logged = False
+            try:
+                locked = await session.try_lock()
+            except UNAVAILABLE_ERRORS as e:
+                log.warning(f"{role}.session_lost", error=repr(e))
+                await session.close()
+                session = None
+                continue
+            if not locked:
+                if not standby_logged:
+                    log.info(f"{role}.standby", retry_every=interval, detail=f"another {role} holds the lock")
+                    standby_logged = True
+                await pause(interval, stopped, session.lost)
+                if session.lost.is_set():
+                    await session.close()
+                    session = None
+                continue
+            standby_logged = False
+            try:
+                await while_active(session)
+            except SESSION_ERRORS as e:
+                # The lock may be someone else's by now: do nothing more on this session.
+                log.warning(f"{role}.lock_lost", error=repr(e), **lost_context(), detail=lost_detail)
+            finally:
+                inactive()
+                await session.close()
+                session = None
+    finally:
+        inactive()
+        if session is not None:
+            await session.close()
