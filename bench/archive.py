@@ -53,7 +53,7 @@ async def raw_rate(dsn: str) -> tuple[int, float]:
     buffer = bytearray()
     started = time.perf_counter()
 
-    def sink(chunk: bytes) -> None:
+    async def sink(chunk: bytes) -> None:  # asyncpg awaits a callable output
         nonlocal rows
         buffer.extend(chunk)
         *lines, rest = buffer.split(b"\n")
