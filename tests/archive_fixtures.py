@@ -5,7 +5,7 @@ change history of a database, cuts it into segments of ``per_segment`` events, p
 create-only, then the public key, one signed checkpoint per segment boundary (so there are older
 checkpoints to extend) and the manifest. :func:`raw_store` is the obstore handle below an
 :class:`ArchiveStore`, for tampering that the create-only contract refuses (overwrite, delete).
-The ``store`` fixture gives each test a fresh store on both backends (import :func:`store_fixture`).
+The ``store`` fixture gives each test a fresh store on each backend (directory, SeaweedFS, moto) (import :func:`store_fixture`).
 """
 
 from __future__ import annotations
@@ -147,10 +147,14 @@ def raw_store(store: ArchiveStore) -> LocalStore | S3Store:
     return store._store
 
 
-@pytest.fixture(name="store", params=["directory", "seaweedfs"])
+#: The S3 servers the store fixtures run on, by parameter name: the session fixture of each.
+S3_BACKENDS = {"seaweedfs": "s3_server", "moto": "moto_s3"}
+
+
+@pytest.fixture(name="store", params=["directory", *S3_BACKENDS])
 def store_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveStore:
-    """A fresh archive store, once on a local directory and once on SeaweedFS (the S3 API)."""
+    """A fresh archive store: on a local directory, on SeaweedFS and on moto's S3 server (the S3 API)."""
     if request.param == "directory":
         return ArchiveStore.local(tmp_path / "archive")
-    server: S3Server = request.getfixturevalue("s3_server")
+    server: S3Server = request.getfixturevalue(S3_BACKENDS[request.param])
     return server.store()

@@ -11,6 +11,7 @@ from tests import services
 from tests.bus_fixtures import *
 from tests.corpus_fixtures import *
 from tests.db_fixtures import *
+from tests.moto_server import moto_s3  # noqa: F401 - the moto S3 server fixture
 from tests.s3_server import s3_server  # noqa: F401 - the SeaweedFS fixture
 
 

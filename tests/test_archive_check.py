@@ -36,7 +36,7 @@ from protocol.checkpoint import (
 )
 from protocol.manifest import decode_manifest, encode_manifest, manifest_of
 from protocol.merkle import tree_root
-from tests.archive_fixtures import store_fixture  # noqa: F401 - the ``store`` fixture, on both backends
+from tests.archive_fixtures import store_fixture  # noqa: F401 - the ``store`` fixture, on each backend
 
 
 @dataclass

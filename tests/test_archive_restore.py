@@ -39,7 +39,7 @@ from tests.archive_fixtures import (
     archiver_caught_up,
     archiving,
     raw_store,
-    store_fixture,  # noqa: F401 - the ``store`` fixture, on both backends
+    store_fixture,  # noqa: F401 - the ``store`` fixture, on each backend
 )
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
 from tests.db_fixtures import fresh_database

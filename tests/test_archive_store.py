@@ -1,6 +1,6 @@
-"""The archive object store, against a real directory and a real S3-compatible server (SeaweedFS).
+"""The archive object store, against a real directory and two real S3 servers (SeaweedFS, moto).
 
-Same behaviour suite on both backends: create-only put (identical retry succeeds, different bytes
+Same behaviour suite on each backend: create-only put (identical retry succeeds, different bytes
 raise ForkAlarm and leave the stored object untouched), get/head/list, bounded reads, the
 create-only probe, and configuration (URL forms, credentials that the server refuses).
 """
@@ -27,16 +27,18 @@ from infra.archive_store import (
 from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
 from protocol.errors import ConfigError
+from tests.archive_fixtures import S3_BACKENDS
 from tests.procs import free_port
 from tests.s3_server import S3Server, sloppy_s3
 
 
-@pytest.fixture(params=["directory", "seaweedfs"])
+@pytest.fixture(params=["directory", *S3_BACKENDS])
 def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ArchiveStore]:
-    """A factory of stores on one fresh location (two calls: two clients of the same place)."""
+    """A factory of stores on one fresh location (two calls: two clients of the same place), on a
+    directory, SeaweedFS and moto."""
     if request.param == "directory":
         return lambda: ArchiveStore.local(tmp_path / "archive")
-    server: S3Server = request.getfixturevalue("s3_server")
+    server: S3Server = request.getfixturevalue(S3_BACKENDS[request.param])
     prefix = f"run-{uuid.uuid4().hex[:12]}"
     return lambda: server.store(prefix)
 

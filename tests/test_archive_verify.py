@@ -31,7 +31,7 @@ from tests.archive_fixtures import (
     Archived,
     archive_database,
     raw_store,
-    store_fixture,  # noqa: F401 - the ``store`` fixture, on both backends
+    store_fixture,  # noqa: F401 - the ``store`` fixture, on each backend
 )
 from tests.s3_server import S3Server
 from toastmachine.seed import seed_corpus
