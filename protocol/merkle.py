@@ -47,7 +47,7 @@ def node_hash(left: bytes, right: bytes) -> bytes:
     return hashlib.sha256(NODE_PREFIX + left + right).digest()
 
 
-def _split(n: int) -> int:
+def split_point(n: int) -> int:
     """The largest power of two strictly smaller than n (n >= 2): where RFC 6962 splits D[n]."""
     return 1 << ((n - 1).bit_length() - 1)
 
@@ -78,7 +78,7 @@ def inclusion_proof(leaves: Sequence[bytes], index: int) -> list[bytes]:
     # Walk from the root towards the leaf, collecting the sibling subtree at each split; the path is
     # ordered from the leaf upwards, so build it reversed.
     while hi - lo > 1:
-        k = _split(hi - lo)
+        k = split_point(hi - lo)
         if index < lo + k:
             path.append(_range_root(leaves, lo + k, hi))
             hi = lo + k
@@ -101,7 +101,7 @@ def inclusion_ranges(index: int, size: int) -> list[tuple[int, int]]:
     ranges: list[tuple[int, int]] = []
     lo, hi = 0, size
     while hi - lo > 1:
-        k = _split(hi - lo)
+        k = split_point(hi - lo)
         if index < lo + k:
             ranges.append((lo + k, hi))
             hi = lo + k
@@ -160,7 +160,7 @@ def consistency_proof(leaves: Sequence[bytes], old_size: int) -> list[bytes]:
             if not whole:
                 proof.append(_range_root(leaves, lo, hi))
             break
-        k = _split(size)
+        k = split_point(size)
         if m <= k:
             proof.append(_range_root(leaves, lo + k, hi))
             hi = lo + k

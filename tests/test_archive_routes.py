@@ -8,13 +8,16 @@ import base64
 import hashlib
 from pathlib import Path
 
+import orjson
 import pytest
 
 from actors.archiver import SealPolicy
+from actors.reads.archive import inclusion_proof
 from actors.web.archive import ARCHIVE_STORE
-from protocol.archive import Stream, decode_segment
+from protocol.archive import Stream, decode_segment, event_body
 from protocol.checkpoint import parse_verifier_key, verify_checkpoint
-from protocol.merkle import verify_inclusion
+from protocol.merkle import inclusion_proof as merkle_inclusion_proof
+from protocol.merkle import leaf_hash, tree_root, verify_inclusion
 from tests.corpus_fixtures import Stack
 from tests.test_archiver import archiving, local, published, segments, signer_for, until, write_messages
 
@@ -99,6 +102,35 @@ async def test_inclusion_proofs_verify_against_the_signed_root(stack: Stack, tmp
                                     [bytes.fromhex(p) for p in body["proof"]], root)
             if size is None:
                 assert root == checkpoint.root
+
+
+async def test_proofs_from_cached_chunks_equal_the_full_trees_path(stack: Stack, tmp_path: Path) -> None:
+    """Every leaf of every published tree, with chunks of 4 leaves cached: the path equals the one
+    computed from all the leaves, and the cache is what the proof reads (a corrupted root shows)."""
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 23)
+    async with archiving(stack, store, SealPolicy(events=5, seconds=3600), signer=signer_for(stack)):
+        await published(stack, 4)
+    rows = await stack.db.pool.fetch("select event from changes order by sequence")
+    leaves = [leaf_hash(event_body(orjson.loads(r["event"]))) for r in rows]
+    sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
+        "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
+    assert sizes and sizes[-1] == 20
+    for size in sizes:
+        for position in range(size):
+            proof = await inclusion_proof(stack.db.pool, sequences[position], size, chunk_height=2)
+            assert (proof.leaf_index, proof.tree_size, proof.leaf_hash) == (position, size, leaves[position])
+            assert proof.path == merkle_inclusion_proof(leaves[:size], position), (size, position)
+            assert verify_inclusion(proof.leaf_hash, position, size, proof.path, tree_root(leaves[:size]))
+    cached = await stack.db.pool.fetch("select chunk, root from archive_proof_chunks where height = 2 order by chunk")
+    assert [r["chunk"] for r in cached] == list(range(5))
+    assert [bytes(r["root"]) for r in cached] == [tree_root(leaves[i * 4:i * 4 + 4]) for i in range(5)]
+    # Leaf 0's path in the tree of 20 holds chunk 1's root as it is: corrupt it and the path changes.
+    await stack.db.pool.execute("update archive_proof_chunks set root = $1 where height = 2 and chunk = 1",
+                                bytes(32))
+    corrupted = await inclusion_proof(stack.db.pool, sequences[0], 20, chunk_height=2)
+    assert bytes(32) in corrupted.path
+    assert not verify_inclusion(corrupted.leaf_hash, 0, 20, corrupted.path, tree_root(leaves[:20]))
 
 
 @pytest.mark.parametrize("path, status", [

@@ -7,6 +7,7 @@ segment, a private checkpoint or a private record.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from actors.reads.corpus import ARCHIVE_PATH
 from infra.archive_store import ArchiveStore, ObjectNotFound
 from infra.db.pool import Target, connection
 from protocol.archive import Stream, event_body, public_key_key, segment_key
-from protocol.merkle import CompactTree, inclusion_ranges, leaf_hash
+from protocol.merkle import inclusion_ranges, leaf_hash, node_hash, split_point, tree_root
 
 #: Where the web front serves the public archive's parts.
 SEGMENTS_PATH = ARCHIVE_PATH + "/segments"
@@ -28,6 +29,14 @@ PROOF_PATH = ARCHIVE_PATH + "/proof"
 STATUS_SEGMENTS = 1000
 #: Leaves read per query while computing a proof.
 _PROOF_PAGE = 1000
+#: Leaves per cached chunk of the public tree, as a power of two (``archive_proof_chunks``): a proof
+#: reads at most two chunks of leaves and one cached root per chunk of the tree.
+PROOF_CHUNK_HEIGHT = 9
+#: Chunks computed (and inserted) per round while filling the cache.
+_FILL_CHUNKS = 8
+#: Key of the transaction-level advisory lock that serialises filling the chunk cache: the first
+#: 8 bytes of sha256(b"toastmachine:proof-chunks") as a signed big-endian integer.
+PROOF_CHUNK_LOCK = int.from_bytes(hashlib.sha256(b"toastmachine:proof-chunks").digest()[:8], "big", signed=True)
 #: ``<index>-<first>-<last>``, as in the store's keys.
 SEGMENT_NAME = re.compile(r"(?P<index>[0-9]{10})-(?P<first>[0-9]{19})-(?P<last>[0-9]{19})")
 
@@ -176,9 +185,17 @@ class ProofUnavailable(Exception):
         self.field = field
 
 
-async def inclusion_proof(target: Target, sequence: int, size: int | None) -> InclusionProof:
+async def inclusion_proof(target: Target, sequence: int, size: int | None, *,
+                          chunk_height: int = PROOF_CHUNK_HEIGHT) -> InclusionProof:
     """The audit path of change ``sequence`` in the published tree of ``size`` events (None: the
-    latest checkpoint). Streams the leaves from the change history in pages; memory is O(log size)."""
+    latest checkpoint).
+
+    The cost is bounded whatever the history's length: the path's subtrees are built from the cached
+    roots of aligned chunks of ``2 ** chunk_height`` leaves (``archive_proof_chunks``, filled from the
+    change history by the first proof that needs them) and from the leaves of at most two chunks
+    (the leaf's own and the tree's incomplete last one).
+    """
+    chunk = 1 << chunk_height
     async with connection(target) as conn:
         if size is None:
             cp = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
@@ -189,12 +206,10 @@ async def inclusion_proof(target: Target, sequence: int, size: int | None) -> In
         if cp is None:
             raise ProofUnavailable("size", "no published checkpoint has this tree size")
         size = int(cp["tree_size"])
-        last = await conn.fetchval("select last_sequence from archive_segments where stream = $1 and tree_size = $2",
-                                   _PUBLIC, size)
         seg = await conn.fetchrow(
             "select first_sequence, tree_size - event_count as offset_ from archive_segments where stream = $1 "
             "and first_sequence <= $2 and last_sequence >= $2 and tree_size <= $3", _PUBLIC, sequence, size)
-        if seg is None or last is None:
+        if seg is None:
             raise ProofUnavailable("sequence", "this sequence is not in the archived tree of that size")
         before = await conn.fetchval("select count(*) from changes where sequence >= $1 and sequence < $2",
                                      seg["first_sequence"], sequence)
@@ -202,26 +217,88 @@ async def inclusion_proof(target: Target, sequence: int, size: int | None) -> In
         if present is None:
             raise ProofUnavailable("sequence", "no change has this sequence")
         index = int(seg["offset_"]) + int(before)
-        ranges = inclusion_ranges(index, size)
-        trees = [CompactTree() for _ in ranges]
-        # Ranges sorted by start, to find each leaf's range while streaming in order.
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-        position, after, cursor, leaf = 0, 0, 0, b""
-        while position < size:
-            rows = await conn.fetch("select sequence, event from changes where sequence > $1 and sequence <= $2 "
-                                    "order by sequence limit $3", after, last, _PROOF_PAGE)
-            if not rows:
-                break
-            for row in rows:
-                h = leaf_hash(event_body(orjson.loads(row["event"])))
-                if position == index:
-                    leaf = h
-                else:
-                    while ranges[order[cursor]][1] <= position:
-                        cursor += 1
-                    trees[order[cursor]].append_hash(h)
-                position += 1
-            after = rows[-1]["sequence"]
-    if position != size:
+        complete = size // chunk
+        roots = await _chunk_roots(conn, chunk_height, complete)
+        # The leaves of the leaf's own chunk and of the incomplete last one: every subtree of the path
+        # that is not a whole chunk lies inside one of these two (RFC 6962 subtrees are aligned).
+        leaves: dict[int, list[bytes]] = {}
+        for c in sorted({index // chunk, complete}):
+            start = c * chunk
+            if start < size:
+                leaves[c] = [h for _, h in await _leaves(conn, start, min(chunk, size - start))]
+    if any(len(hs) != min(chunk, size - c * chunk) for c, hs in leaves.items()):
         raise ProofUnavailable("size", "the change history no longer holds this tree")
-    return InclusionProof(sequence, index, size, leaf, [t.root() for t in trees], cp["note"])
+
+    def subtree(lo: int, hi: int) -> bytes:
+        c = lo // chunk
+        if hi - lo == chunk and c < complete:
+            return roots[c]
+        if hi - lo <= chunk:
+            return tree_root(leaves[c][lo - c * chunk:hi - c * chunk])
+        k = split_point(hi - lo)
+        return node_hash(subtree(lo, lo + k), subtree(lo + k, hi))
+
+    path = [subtree(lo, hi) for lo, hi in inclusion_ranges(index, size)]
+    leaf = leaves[index // chunk][index % chunk]
+    return InclusionProof(sequence, index, size, leaf, path, cp["note"])
+
+
+async def _leaves(conn: Any, position: int, count: int) -> list[tuple[int, bytes]]:
+    """``(sequence, leaf hash)`` of up to ``count`` public leaves from leaf ``position`` on (fewer when
+    the history ends first), read in pages."""
+    seg = await conn.fetchrow(
+        "select first_sequence, tree_size - event_count as start from archive_segments where stream = $1 "
+        "and tree_size - event_count <= $2 and tree_size > $2", _PUBLIC, position)
+    if seg is None:
+        return []
+    # The change at ``position``: at most a segment's length into the segment that holds it.
+    after = await conn.fetchval("select sequence - 1 from changes where sequence >= $1 order by sequence "
+                                "offset $2 limit 1", seg["first_sequence"], position - int(seg["start"]))
+    out: list[tuple[int, bytes]] = []
+    while after is not None and len(out) < count:
+        rows = await conn.fetch("select sequence, event from changes where sequence > $1 order by sequence "
+                                "limit $2", after, min(_PROOF_PAGE, count - len(out)))
+        if not rows:
+            break
+        out.extend((r["sequence"], leaf_hash(event_body(orjson.loads(r["event"])))) for r in rows)
+        after = rows[-1]["sequence"]
+    return out
+
+
+async def _chunk_roots(conn: Any, height: int, count: int) -> list[bytes]:
+    """The roots of chunks ``0 .. count - 1`` of the given height, computing the missing ones.
+
+    Filling runs under a transaction-level advisory lock, so concurrent proofs on any node compute
+    each chunk once: the waiters find it cached. Only whole chunks below a published tree size are
+    asked for, so a cached root never changes.
+    """
+    roots = await _cached_roots(conn, height, count)
+    if len(roots) == count:
+        return roots
+    async with conn.transaction():
+        await conn.execute("select pg_advisory_xact_lock($1)", PROOF_CHUNK_LOCK)
+        roots = await _cached_roots(conn, height, count)
+        chunk = 1 << height
+        while len(roots) < count:
+            first = len(roots)
+            batch = min(count - first, _FILL_CHUNKS)
+            hashes = [h for _, h in await _leaves(conn, first * chunk, batch * chunk)]
+            if len(hashes) != batch * chunk:
+                raise ProofUnavailable("size", "the change history no longer holds this tree")
+            fresh = [tree_root(hashes[i * chunk:(i + 1) * chunk]) for i in range(batch)]
+            await conn.executemany("insert into archive_proof_chunks (height, chunk, root) values ($1, $2, $3) "
+                                   "on conflict do nothing", [(height, first + i, r) for i, r in enumerate(fresh)])
+            roots.extend(fresh)
+    return roots
+
+
+async def _cached_roots(conn: Any, height: int, count: int) -> list[bytes]:
+    """The cached roots from chunk 0 up to the first missing one (at most ``count``)."""
+    rows = await conn.fetch("select chunk, root from archive_proof_chunks where height = $1 and chunk < $2 "
+                            "order by chunk", height, count)
+    roots: list[bytes] = []
+    for row in rows:
+        if row["chunk"] != len(roots):
+            break
+        roots.append(bytes(row["root"]))
+    return roots
