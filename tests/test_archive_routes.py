@@ -16,6 +16,7 @@ from actors.reads.archive import inclusion_proof
 from actors.web.archive import ARCHIVE_STORE
 from protocol.archive import Stream, decode_segment, event_body
 from protocol.checkpoint import parse_verifier_key, verify_checkpoint
+from protocol.manifest import decode_manifest
 from protocol.merkle import inclusion_proof as merkle_inclusion_proof
 from protocol.merkle import leaf_hash, tree_root, verify_inclusion
 from tests.corpus_fixtures import Stack
@@ -131,6 +132,25 @@ async def test_proofs_from_cached_chunks_equal_the_full_trees_path(stack: Stack,
     corrupted = await inclusion_proof(stack.db.pool, sequences[0], 20, chunk_height=2)
     assert bytes(32) in corrupted.path
     assert not verify_inclusion(corrupted.leaf_hash, 0, 20, corrupted.path, tree_root(leaves[:20]))
+
+
+async def test_the_manifest_route_serves_the_published_manifest(stack: Stack, tmp_path: Path) -> None:
+    store = local(tmp_path)
+    stack.client.app[ARCHIVE_STORE]["store"] = store
+    resp = await stack.client.get("/corpus/archive/manifest.json")
+    assert resp.status == 404 and (await resp.json())["error"]["code"]
+    await write_messages(stack, 5)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer_for(stack)):
+        await published(stack, 2)
+    resp = await stack.client.get("/corpus/archive/manifest.json")
+    assert resp.status == 200 and resp.content_type == "application/json"
+    body = await resp.read()
+    assert body == await store.get(f"{stack.identity.lineage}/manifest.json")
+    manifest = decode_manifest(body)
+    assert [s.index for s in manifest.segments] == [0, 1]
+    assert resp.headers["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"'
+    bad = await stack.client.get("/corpus/archive/manifest.json?full=1")
+    assert bad.status == 400 and (await bad.json())["error"]["code"]
 
 
 @pytest.mark.parametrize("path, status", [

@@ -22,6 +22,7 @@ import obstore
 import orjson
 import pytest
 
+from actors.reads import archive as archive_reads
 from actors.recovery.mirror import Mirror, MirrorError, NodeArchiveSource
 from actors.recovery.walk import StoreSource
 from actors.web.app import make_app
@@ -70,7 +71,7 @@ async def _node_root(stack: Stack) -> tuple[int, bytes]:
 
 
 async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
-        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+        stack_backends: tuple[str | None, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     amqp_url, server = stack_backends
     store = ArchiveStore.local(tmp_path / "archive")
     async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
@@ -113,6 +114,15 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
                 assert mirror.state.verified_through == sequence
                 # The same through the node's public archive routes alone (no access to its store).
                 node.client.app[ARCHIVE_STORE]["store"] = store
+                # The status lists only the most recent segments: the mirror takes the manifest's route.
+                monkeypatch.setattr(archive_reads, "STATUS_SEGMENTS", 1)
+                listing = await (await node.client.get("/corpus/archive")).json()
+                assert len(listing["segments"]) < listing["segment_count"]
+                served = await node.client.get(listing["links"]["manifest"])
+                assert served.status == 200
+                assert await served.read() == await store.get(f"{node.identity.lineage}/manifest.json")
+                again = await node.client.get(listing["links"]["manifest"], headers={"If-None-Match": served.headers["ETag"]})
+                assert again.status == 304
                 async with _mirror_db(server) as second_db:
                     second = Mirror(NodeArchiveSource(session, base), await NodeArchiveSource(session, base).lineage(),
                                     second_db, trusted=signer.verifier(), node_url=base, session=session)

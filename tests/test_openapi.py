@@ -305,11 +305,13 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     segment = f"/corpus/archive/segments/{archive['segments'][0]['name']}"
     segment_etag = (await get(segment))["ETag"]
     await get(segment, 304, **{"If-None-Match": segment_etag})
+    manifest_etag = (await get(archive["links"]["manifest"]))["ETag"]
+    await get(archive["links"]["manifest"], 304, **{"If-None-Match": manifest_etag})
     await get(f"/corpus/archive/checkpoints/{archive['tree_size']}")
     await get(f"/corpus/archive/proof?sequence={archive['segments'][0]['first_sequence']}")
     await get(f"/corpus/archive/proof?sequence=1&size={archive['tree_size']}")
     for path in ("/corpus/archive/proof", "/corpus/archive/proof?sequence=0", "/corpus/archive/checkpoints/x",
-                 "/corpus/archive?x=1"):
+                 "/corpus/archive?x=1", "/corpus/archive/manifest.json?x=1"):
         await get(path, 400)
     for path in ("/corpus/archive/proof?sequence=999999", "/corpus/archive/checkpoints/999999",
                  "/corpus/archive/segments/nope"):

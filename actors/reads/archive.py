@@ -25,6 +25,7 @@ from protocol.merkle import inclusion_ranges, leaf_hash, node_hash, split_point,
 SEGMENTS_PATH = ARCHIVE_PATH + "/segments"
 CHECKPOINTS_PATH = ARCHIVE_PATH + "/checkpoints"
 PROOF_PATH = ARCHIVE_PATH + "/proof"
+MANIFEST_PATH = ARCHIVE_PATH + "/manifest.json"
 #: Segments listed by the status, most recent last (older ones are in the manifest).
 STATUS_SEGMENTS = 1000
 #: Leaves read per query while computing a proof.
@@ -99,7 +100,7 @@ async def archive_status(target: Target, store: ArchiveStore | None, lineage: st
         "published_through": marks.published_through,
         "head_sequence": head,
         "lag_events": lag,
-        "links": {"manifest": f"{SEGMENTS_PATH}/", "checkpoints": f"{CHECKPOINTS_PATH}/",
+        "links": {"manifest": MANIFEST_PATH, "segments": f"{SEGMENTS_PATH}/", "checkpoints": f"{CHECKPOINTS_PATH}/",
                   "proof": PROOF_PATH},
     }
 

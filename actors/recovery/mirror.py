@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from actors.reads.archive import MANIFEST_PATH
 from actors.recovery.load import HistoryLoader, ensure_authors
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
 from infra.db import Database, connection
@@ -103,9 +104,9 @@ class MirrorState:
 class NodeArchiveSource:
     """A node's public archive routes as an :class:`~actors.recovery.walk.ArchiveSource`.
 
-    ``GET /corpus/archive`` lists the published segments, the newest checkpoint and the public key;
-    segments and checkpoints have routes of their own. The manifest is rebuilt from the listing (the
-    node serves the same fields), so the checks are the same as on the store itself.
+    ``GET /corpus/archive`` gives the public key; the manifest, the segments and the checkpoints
+    have routes of their own, serving the store's objects, so the checks are the same as on the
+    store itself.
     """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
@@ -157,12 +158,15 @@ class NodeArchiveSource:
         raise ObjectNotFound(f"{self.description} serves no {key}")
 
     async def _manifest(self, lineage: uuid.UUID) -> bytes:
-        """The manifest rebuilt from ``GET /corpus/archive``: its published segments, from index 0.
+        """``GET /corpus/archive/manifest.json``; from a node that predates that route, the manifest
+        rebuilt from ``GET /corpus/archive``'s published segments.
 
-        The node lists its most recent segments only; when it holds more than it lists, the
+        Such a node lists its most recent segments only; when it holds more than it lists, the
         manifest cannot be rebuilt from it, and the archive must be read from the store (``--archive``).
         """
         index = await self.index(fresh=True)
+        if MANIFEST_PATH in index.get("links", {}).values():
+            return await self._fetch(MANIFEST_PATH, MAX_MANIFEST_BYTES)
         listed = index["segments"]
         if index["segment_count"] > len(listed):
             raise ArchiveStoreError(f"{self.description} lists {len(listed)} of its {index['segment_count']} "

@@ -11,6 +11,7 @@ handed out as the archive's. The private stream has no route at all.
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 from aiohttp import web
 
@@ -21,7 +22,9 @@ from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.archive_store import ArchiveStore, ArchiveStoreError, ObjectNotFound
 from infra.http import etag_matches, json_response
 from infra.logs import get_logger
+from protocol.archive import manifest_key
 from protocol.errors import NotFound, ServiceUnavailable
+from protocol.manifest import MAX_MANIFEST_BYTES
 from protocol.query import Query, invalid
 
 #: Segments and checkpoints never change once published.
@@ -92,6 +95,37 @@ async def segment(request: web.Request) -> web.Response:
     return web.Response(body=data, headers=headers, content_type="application/octet-stream")
 
 
+async def manifest(request: web.Request) -> web.Response:
+    """``GET /corpus/archive/manifest.json``: the published manifest, as the store holds it.
+
+    It lists every published segment (the status lists only the most recent ones), so a mirror or
+    a third party can walk a history of any length through the node's routes alone. It is served
+    as stored, not re-derived: whoever reads it checks it against the signed checkpoint of its tree
+    size anyway. ``ETag`` is its SHA-256; it changes as segments are published.
+    """
+    _corpus_id, lineage = node_identity(request)
+    Query(request.query, ())
+    store = archive_store(request.app)
+    if store is None:
+        raise _no_manifest()
+    try:
+        data = await store.get(manifest_key(uuid.UUID(lineage)), max_bytes=MAX_MANIFEST_BYTES)
+    except ObjectNotFound:
+        raise _no_manifest() from None
+    except ArchiveStoreError:
+        raise _unavailable() from None
+    etag = f'"{hashlib.sha256(data).hexdigest()}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if etag_matches(request.headers.get("If-None-Match"), etag):
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=data, headers=headers, content_type="application/json")
+
+
+def _no_manifest() -> NotFound:
+    return NotFound("No archive manifest is published yet.",
+                    how_to_proceed="Retry once GET /corpus/archive shows a checkpoint.")
+
+
 async def checkpoint(request: web.Request) -> web.Response:
     """``GET /corpus/archive/checkpoints/{size}``: the signed checkpoint of that tree size."""
     node_identity(request)
@@ -127,6 +161,7 @@ def add_routes(app: web.Application) -> None:
     """The public archive routes."""
     app[ARCHIVE_STORE] = {}
     app.router.add_get(reads.ARCHIVE_PATH, archive_info)
+    app.router.add_get(reads.MANIFEST_PATH, manifest)
     app.router.add_get(reads.SEGMENTS_PATH + "/{name}", segment)
     app.router.add_get(reads.CHECKPOINTS_PATH + "/{size}", checkpoint)
     app.router.add_get(reads.PROOF_PATH, proof)

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from actors.reads import archive as archive_reads
 from actors.reads.schemas import (  # noqa: F401 - UUID_INPUT_PATTERN is re-exported
     C0_CHARS,
     LINK_PATTERN,
@@ -31,7 +32,6 @@ from actors.reads.schemas import (  # noqa: F401 - UUID_INPUT_PATTERN is re-expo
     representation_schemas,
 )
 from actors.reads.schemas import obj as _obj
-from actors.reads import archive as archive_reads
 from actors.web import export, favicon
 from actors.web.context import NODE
 from actors.web.front import mcp_links
@@ -73,7 +73,8 @@ def _schemas() -> dict[str, Schema]:
         "public_key": {"type": ["string", "null"]}, "archived_through": ref("Count"),
         "verified_through": ref("Count"), "published_through": ref("Count"), "head_sequence": ref("Count"),
         "lag_events": ref("Count"),
-        "links": _obj({"manifest": {"type": "string"}, "checkpoints": {"type": "string"},
+        "links": _obj({"manifest": {"const": archive_reads.MANIFEST_PATH}, "segments": {"type": "string"},
+                       "checkpoints": {"type": "string"},
                        "proof": {"const": archive_reads.PROOF_PATH}})},
         description="The public archive: the most recent segments, the latest signed checkpoint (C2SP signed "
                     "note), the signer's verifier key and the watermarks (docs/archive-format.md).")
@@ -482,6 +483,15 @@ def _paths() -> dict[str, Schema]:
                        {"$ref": "#/components/parameters/IfNoneMatch"}],
         "responses": {"200": {"description": "The segment.", "headers": {**_h("ETag"), **immutable},
                               "content": {"application/octet-stream": {"schema": _TEXT}}},
+                      "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
+                      "503": _r("ServiceUnavailable")}}}
+    paths[archive_reads.MANIFEST_PATH] = {"get": {
+        "operationId": "archive_manifest", "summary": "The published manifest.json, as stored: every published "
+                                                      "segment (docs/archive-format.md); ETag is its SHA-256.",
+        "tags": ["corpus"],
+        "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
+        "responses": {"200": {"description": "The manifest.", "headers": _h("ETag"),
+                              "content": {JSON: {"schema": {"type": "object"}}}},
                       "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
                       "503": _r("ServiceUnavailable")}}}
     paths[archive_reads.CHECKPOINTS_PATH + "/{size}"] = {"get": {
