@@ -53,11 +53,23 @@ def _split(n: int) -> int:
 
 
 def tree_root(leaves: Sequence[bytes]) -> bytes:
-    """MTH(D[n]) of the given leaf hashes (not leaf data), computed bottom-up without recursion."""
-    tree = CompactTree()
-    for h in leaves:
-        tree.append_hash(h)
-    return tree.root()
+    """MTH(D[n]) of the given leaf hashes (not leaf data), computed bottom-up without recursion.
+
+    Level by level: pair neighbours, and carry an unpaired last node up unchanged. That is RFC
+    6962's split at the largest power of two below n, read from the bottom (the left part is always
+    a perfect subtree, so the pairs never straddle the split), and one list comprehension per level
+    is several times faster in Python than appending leaf by leaf.
+    """
+    if not leaves:
+        return EMPTY_ROOT
+    level = list(leaves)
+    sha256 = hashlib.sha256
+    while len(level) > 1:
+        odd = level[-1] if len(level) & 1 else None
+        level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+        if odd is not None:
+            level.append(odd)
+    return level[0]
 
 
 def _range_root(leaves: Sequence[bytes], lo: int, hi: int) -> bytes:
@@ -259,6 +271,24 @@ class CompactTree:
             self.frontier.append(node_hash(left, right))
             carry >>= 1
         self.size += 1
+
+    def extend(self, hashes: Iterable[bytes]) -> None:
+        """Append many leaves given their leaf hashes (what :meth:`append_hash` does, in one loop)."""
+        frontier = self.frontier
+        assert frontier is not None
+        size = self.size
+        sha256, pop, push = hashlib.sha256, frontier.pop, frontier.append
+        for h in hashes:
+            if len(h) != HASH_SIZE:
+                self.size = size
+                raise MerkleError("leaf hashes must be 32 bytes")
+            carry = size
+            while carry & 1:
+                h = sha256(NODE_PREFIX + pop() + h).digest()
+                carry >>= 1
+            push(h)
+            size += 1
+        self.size = size
 
     def root(self) -> bytes:
         """MTH of the leaves appended so far (EMPTY_ROOT for none)."""
