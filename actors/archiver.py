@@ -47,12 +47,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-import orjson
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
@@ -77,13 +77,11 @@ from protocol.archive import (
     HASH_SIZE,
     HEADER_SIZE,
     TRAILER_SIZE,
-    ArchivedEvent,
     ArchiveFormatError,
     Stream,
+    check_read_back,
     checkpoint_key,
-    decode_segment,
-    encode_segment,
-    event_body,
+    encode_frames,
     manifest_key,
     private_checkpoint_key,
     public_key_key,
@@ -104,12 +102,22 @@ WAKE_QUEUE_LENGTH = 100
 DEFAULT_STANDBY_INTERVAL = 1.0
 #: Back-off after a store failure: doubles from the first value up to the second.
 STORE_BACKOFF = (0.5, 10.0)
+#: Segments sealed, written, verified and published together at most (a batch: when the archiver is
+#: behind, one checkpoint and one manifest per batch instead of per segment).
+BATCH_SEGMENTS = 32
+#: Event bytes read per batch at most, in segments of ``policy.bytes`` (16 MiB by default).
+BATCH_SEGMENT_BYTES = 4
+#: Store requests in flight at once within a batch.
+STORE_CONCURRENCY = 8
 #: Pending private records captured per transaction.
 CAPTURE_BATCH = 500
 #: Seconds between two counts of the archive's lag.
 MEASURE_INTERVAL = 1.0
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
+
+
+T = TypeVar("T")
 
 
 class ArchiverError(ToastMachineError):
@@ -173,21 +181,29 @@ def _row(r: Any) -> _Row:
                 None if r["frontier"] is None else bytes(r["frontier"]))
 
 
-# Candidates for the next segment: at most $2 rows after $1, no more than fit in $3 bytes of text
-# plus the one that crosses the line (so the caller knows whether the size rule sealed it).
-_PUBLIC_CANDIDATES = (
-    "select sequence, event as body, extract(epoch from now() - occurred_at)::float8 as age from ("
-    "  select sequence, event, occurred_at, sum(octet_length(event)) over (order by sequence) - octet_length(event)"
-    "  as before from (select sequence, event, occurred_at from changes where sequence > $1 order by sequence"
-    "  limit $2) as page) as sized where before < $3 order by sequence")
-_PRIVATE_CANDIDATES = (
-    "select sequence, body, extract(epoch from now() - captured_at)::float8 as age from ("
-    "  select sequence, body, captured_at, sum(octet_length(body)) over (order by sequence) - octet_length(body)"
-    "  as before from (select sequence, body, captured_at from archive_private_records where sequence > $1"
+# One catch-up batch of a stream: at most $2 rows after $1, no more than fit in $3 bytes plus the
+# row that crosses the line (so the caller can tell whether the size rule cut a segment, and
+# whether rows may follow the batch). The bodies come as bytes (convert_to): they are archived as
+# they are, and decoding them to str only to encode them again is most of a row's cost.
+_PUBLIC_BATCH = (
+    "select sequence, body from ("
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  from (select sequence, convert_to(event, 'UTF8') as body from changes where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
-_PUBLIC_RANGE = "select sequence, event as body from changes where sequence between $1 and $2 order by sequence"
+_PRIVATE_BATCH = (
+    "select sequence, body from ("
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  from (select sequence, body from archive_private_records where sequence > $1"
+    "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
+_PUBLIC_RANGE = ("select sequence, convert_to(event, 'UTF8') as body from changes where sequence between $1 and $2 "
+                 "order by sequence")
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
+# Seconds since the first event after $1 (the start of the open segment), or no row.
+_PUBLIC_AGE = ("select extract(epoch from now() - occurred_at)::float8 from changes where sequence > $1 "
+               "order by sequence limit 1")
+_PRIVATE_AGE = ("select extract(epoch from now() - captured_at)::float8 from archive_private_records "
+                "where sequence > $1 order by sequence limit 1")
 
 _TAKE_PENDING = (
     "delete from archive_private_pending where (kind, agent_id, operation, token) in ("
@@ -201,16 +217,47 @@ _READ_OPERATIONS = (
     "on o.author_id = k.author_id and o.operation = k.operation and o.token = k.token where o.status is not null")
 
 
-def _body(stream: Stream, raw: Any) -> bytes:
-    """The archived bytes of one candidate row: the canonical envelope, or the stored record."""
-    if stream is Stream.PUBLIC:
-        return event_body(orjson.loads(raw))
-    return bytes(raw)
-
-
 def segment_size(bodies: Iterable[bytes]) -> int:
     """The encoded size of a segment holding ``bodies``."""
     return HEADER_SIZE + TRAILER_SIZE + sum(FRAME_OVERHEAD + len(b) for b in bodies)
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A sealed segment's bytes, before they are put: the row as recorded, and the row it becomes."""
+
+    sealed: _Row
+    data: bytes
+    #: The stream's tree after this segment, as the row's ``frontier`` column holds it.
+    frontier: bytes
+
+    @property
+    def written(self) -> _Row:
+        return dataclasses.replace(self.sealed, state="written", size=len(self.data), hash=self.data[-HASH_SIZE:],
+                                   frontier=self.frontier)
+
+    @property
+    def root(self) -> bytes:
+        return self.data[-2 * HASH_SIZE:-HASH_SIZE]
+
+
+async def _store_all(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run store calls, :data:`STORE_CONCURRENCY` at a time, and wait for all of them.
+
+    Every call finishes before any failure is raised (none is left running on its own); a fork
+    alarm outranks other errors, since it must stop the archiver whatever else failed.
+    """
+    semaphore = asyncio.Semaphore(STORE_CONCURRENCY)
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
+        async with semaphore:
+            return await call()
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise next((e for e in errors if isinstance(e, ForkAlarm)), errors[0])
+    return cast("list[T]", results)
 
 
 class Archiver(Actor):
@@ -384,23 +431,34 @@ class Archiver(Actor):
         return self.signer
 
     async def _round(self, session: LockSession, stream: Stream) -> bool:
-        """Move ``stream`` one step on; True when there may be more to do at once."""
+        """Move ``stream`` one batch on; True when there may be more to do at once."""
         conn = session.conn
         if stream is Stream.PRIVATE:
             await self._capture(conn)
-        unfinished = await conn.fetch(
+        unfinished = [_row(r) for r in await conn.fetch(
             f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 and state <> 'published' "
-            "order by segment_index", int(stream))
+            "order by segment_index", int(stream))]
         if unfinished:
-            rows = [_row(r) for r in unfinished]
-            for row in rows:
-                if row.state == "sealed":
-                    row = await self._write(conn, row)
-                if row.state == "written":
-                    row = await self._verify(conn, row)
+            # A batch that an earlier round (this instance's, or a predecessor's) left half done:
+            # carry on from the recorded states. Sealed ranges are encoded again from the database:
+            # the range and the link are recorded, so the bytes are the same.
+            sealed = [r for r in unfinished if r.state == "sealed"]
+            written = [r for r in unfinished if r.state == "written"]
+            if sealed:
+                encoded = await self._reencode(conn, sealed)
+                await self._write(conn, encoded)
+                written += [e.written for e in encoded]
+            if written:
+                await self._verify(conn, written)
             await self._publish(conn, stream)
             return True
-        return await self._seal(conn, stream)
+        batch = await self._seal(conn, stream)
+        if not batch:
+            return False
+        await self._write(conn, batch)
+        await self._verify(conn, [e.written for e in batch])
+        await self._publish(conn, stream)
+        return True
 
     # --- private capture ---------------------------------------------------------------------
 
@@ -439,123 +497,186 @@ class Archiver(Actor):
 
     # --- seal --------------------------------------------------------------------------------
 
-    async def _seal(self, conn: Any, stream: Stream) -> bool:
-        """Record the next segment of ``stream`` if a rule says so; True when one was sealed."""
+    async def _seal(self, conn: Any, stream: Stream) -> list[_Encoded]:
+        """Seal the segments the rules allow after the last one, at most one batch; their bytes.
+
+        One query reads the batch's rows, which are cut into segments and encoded in the same pass;
+        the decisions (index, range, count, tree size, previous hash) are recorded in one statement
+        before anything is put to the store. Encoding before recording changes nothing a restart
+        could see: the bytes are a function of the recorded decision, and :meth:`_reencode` makes
+        them again from it.
+        """
         last = await conn.fetchrow(
             f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
             int(stream))
         previous = _row(last) if last is not None else None
         after = previous.last if previous is not None else 0
-        query = _PUBLIC_CANDIDATES if stream is Stream.PUBLIC else _PRIVATE_CANDIDATES
-        rows = await conn.fetch(query, after, self.policy.events, self.policy.bytes)
+        policy = self.policy
+        limit, budget = policy.events * BATCH_SEGMENTS, policy.bytes * BATCH_SEGMENT_BYTES
+        rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
         if not rows:
-            return False
-        bodies = [_body(stream, r["body"]) for r in rows]
-        take, size = 0, HEADER_SIZE + TRAILER_SIZE
-        for body in bodies:
+            return []
+        sequences: list[int] = [r[0] for r in rows]
+        bodies: list[bytes] = [r[1] for r in rows]
+        # Rows may follow the batch: its open tail could still fill up, so it is left for later.
+        truncated = len(rows) == limit or sum(map(len, bodies)) >= budget
+        cuts: list[tuple[int, int, str]] = []
+        start, size = 0, HEADER_SIZE + TRAILER_SIZE
+        for i, body in enumerate(bodies):
             grown = size + FRAME_OVERHEAD + len(body)
-            if take and grown > self.policy.bytes:
-                break
-            take, size = take + 1, grown
-        rule = ("bytes" if take < len(bodies) else "events" if take == self.policy.events
-                else "age" if rows[0]["age"] >= self.policy.seconds else None)
-        if rule is None:
-            return False
+            if i > start and grown > policy.bytes:
+                cuts.append((start, i, "bytes"))
+                start, grown = i, HEADER_SIZE + TRAILER_SIZE + FRAME_OVERHEAD + len(body)
+            size = grown
+            if i + 1 - start == policy.events:
+                cuts.append((start, i + 1, "events"))
+                start, size = i + 1, HEADER_SIZE + TRAILER_SIZE
+        if start < len(rows) and not truncated:
+            age = await conn.fetchval(_PUBLIC_AGE if stream is Stream.PUBLIC else _PRIVATE_AGE,
+                                      sequences[start - 1] if start else after)
+            if age is not None and age >= policy.seconds:
+                cuts.append((start, len(rows), "age"))
+        if not cuts:
+            return []
+        tree = previous.tree() if previous is not None else CompactTree()
         index = previous.index + 1 if previous is not None else 0
         previous_hash = previous.hash if previous is not None else GENESIS_HASH
         assert previous_hash is not None  # the previous segment is published, hence encoded
-        tree_size = (previous.tree_size if previous is not None else 0) + take
+        batch: list[_Encoded] = []
+        for lo, hi, _rule in cuts:
+            data, frontier = self._encode(stream, index, previous_hash, sequences[lo:hi], bodies[lo:hi], tree)
+            batch.append(_Encoded(_Row(stream, index, sequences[lo], sequences[hi - 1], hi - lo, tree.size,
+                                       previous_hash, "sealed", None, None, None), data, frontier))
+            previous_hash, index = data[-HASH_SIZE:], index + 1
+        rows_ = [e.sealed for e in batch]
         await conn.execute(
             "insert into archive_segments (stream, segment_index, first_sequence, last_sequence, event_count, "
-            "tree_size, previous_hash) values ($1, $2, $3, $4, $5, $6, $7)",
-            int(stream), index, rows[0]["sequence"], rows[take - 1]["sequence"], take, tree_size, previous_hash)
-        self.log.info("archiver.sealed", stream=stream.name.lower(), index=index, first=rows[0]["sequence"],
-                      last=rows[take - 1]["sequence"], events=take, rule=rule)
-        return True
+            "tree_size, previous_hash) select $1::smallint, * from unnest($2::bigint[], $3::bigint[], $4::bigint[], "
+            "$5::integer[], $6::bigint[], $7::bytea[])",
+            int(stream), [r.index for r in rows_], [r.first for r in rows_], [r.last for r in rows_],
+            [r.count for r in rows_], [r.tree_size for r in rows_], [r.previous_hash for r in rows_])
+        self.log.info("archiver.sealed", stream=stream.name.lower(), index=rows_[0].index, segments=len(rows_),
+                      first=rows_[0].first, last=rows_[-1].last, events=sum(r.count for r in rows_),
+                      rules=sorted({rule for _, _, rule in cuts}))
+        return batch
 
     async def _next_deadline(self, session: LockSession) -> float:
         """Seconds until the oldest unarchived event of either stream turns ``policy.seconds`` old."""
         wait = self.sweep_interval
-        for stream, query in ((Stream.PUBLIC, _PUBLIC_CANDIDATES), (Stream.PRIVATE, _PRIVATE_CANDIDATES)):
+        for stream, query in ((Stream.PUBLIC, _PUBLIC_AGE), (Stream.PRIVATE, _PRIVATE_AGE)):
             after = await session.conn.fetchval(
                 "select coalesce(max(last_sequence), 0) from archive_segments where stream = $1", int(stream))
-            row = await session.conn.fetchrow(query, after, 1, 1)
-            if row is not None:
-                wait = min(wait, max(0.0, self.policy.seconds - row["age"]) + 0.01)
+            age = await session.conn.fetchval(query, after)
+            if age is not None:
+                wait = min(wait, max(0.0, self.policy.seconds - age) + 0.01)
         return wait
 
-    # --- write, verify -----------------------------------------------------------------------
+    # --- encode, write, verify ---------------------------------------------------------------
 
-    async def _encode(self, conn: Any, row: _Row) -> tuple[bytes, CompactTree]:
-        """The bytes of ``row``'s segment and the stream's tree after it."""
-        query = _PUBLIC_RANGE if row.stream is Stream.PUBLIC else _PRIVATE_RANGE
-        records = await conn.fetch(query, row.first, row.last)
-        events = [ArchivedEvent(r["sequence"], _body(row.stream, r["body"])) for r in records]
-        if len(events) != row.count:
-            raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed with {row.count} events "
-                                f"in {row.first}..{row.last}, the history now holds {len(events)} there")
-        if row.index == 0:
+    def _encode(self, stream: Stream, index: int, previous_hash: bytes, sequences: list[int], bodies: list[bytes],
+                tree: CompactTree) -> tuple[bytes, bytes]:
+        """A segment's bytes; ``tree`` is extended with its leaves. Returns the bytes and the
+        tree's frontier after it (as the ``frontier`` column holds it)."""
+        data, leaves = encode_frames(stream, self._lineage, index, previous_hash, sequences, bodies)
+        tree.extend(leaves)
+        assert tree.frontier is not None
+        return data, b"".join(tree.frontier)
+
+    async def _reencode(self, conn: Any, rows: list[_Row]) -> list[_Encoded]:
+        """The bytes of consecutive recorded segments, encoded again from the history (one query)."""
+        first = rows[0]
+        if first.index == 0:
             tree = CompactTree()
         else:
             prior = await conn.fetchrow(f"select {_SEGMENT_COLUMNS} from archive_segments "
-                                        "where stream = $1 and segment_index = $2", int(row.stream), row.index - 1)
+                                        "where stream = $1 and segment_index = $2", int(first.stream), first.index - 1)
             tree = _row(prior).tree()
-        for e in events:
-            tree.append_hash(e.leaf_hash)
-        if tree.size != row.tree_size:
-            raise ArchiverError(f"{row.stream.name.lower()} segment {row.index}: tree size {tree.size}, "
-                                f"recorded {row.tree_size}")
-        return encode_segment(row.stream, self._lineage, row.index, row.previous_hash, events), tree
+        records = await conn.fetch(_PUBLIC_RANGE if first.stream is Stream.PUBLIC else _PRIVATE_RANGE,
+                                   first.first, rows[-1].last)
+        out: list[_Encoded] = []
+        position, previous_hash = 0, first.previous_hash
+        for row in rows:
+            name = f"{row.stream.name.lower()} segment {row.index}"
+            if row.previous_hash != previous_hash:
+                raise ArchiverError(f"{name} was sealed linking to {row.previous_hash.hex()}, the segment before "
+                                    f"it encodes to {previous_hash.hex()}")
+            start = position
+            while position < len(records) and records[position][0] <= row.last:
+                position += 1
+            chunk = records[start:position]
+            if len(chunk) != row.count or (chunk and chunk[0][0] < row.first):
+                raise ArchiverError(f"{name} was sealed with {row.count} events in {row.first}..{row.last}, "
+                                    f"the history now holds {len(chunk)} there (or before it)")
+            data, frontier = self._encode(row.stream, row.index, row.previous_hash, [r[0] for r in chunk],
+                                          [bytes(r[1]) for r in chunk], tree)
+            if tree.size != row.tree_size:
+                raise ArchiverError(f"{name}: tree size {tree.size}, recorded {row.tree_size}")
+            out.append(_Encoded(row, data, frontier))
+            previous_hash = data[-HASH_SIZE:]
+        return out
 
     def _key(self, row: _Row) -> str:
         return segment_key(self._lineage, row.index, row.first, row.last, row.stream)
 
-    async def _write(self, conn: Any, row: _Row) -> _Row:
-        data, tree = await self._encode(conn, row)
-        outcome = await self.store.put(self._key(row), data)
-        self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
-        assert tree.frontier is not None
-        digest, root = data[-HASH_SIZE:], data[-2 * HASH_SIZE:-HASH_SIZE]
+    async def _write(self, conn: Any, batch: list[_Encoded]) -> None:
+        """Put a batch's segments (create-only, a few at a time), then record them written at once."""
+        outcomes = await _store_all([functools.partial(self.store.put, self._key(e.sealed), e.data) for e in batch])
+        for outcome in outcomes:
+            self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
+        stream = batch[0].sealed.stream
         async with conn.transaction():
             await conn.execute(
-                "update archive_segments set state = 'written', size = $3, hash = $4, merkle_root = $5, "
-                "frontier = $6, written_at = now() where stream = $1 and segment_index = $2 and state = 'sealed'",
-                int(row.stream), row.index, len(data), digest, root, b"".join(tree.frontier))
+                "update archive_segments as s set state = 'written', size = u.size, hash = u.hash, "
+                "merkle_root = u.root, frontier = u.frontier, written_at = now() "
+                "from unnest($2::bigint[], $3::integer[], $4::bytea[], $5::bytea[], $6::bytea[]) "
+                "as u(segment_index, size, hash, root, frontier) "
+                "where s.stream = $1 and s.segment_index = u.segment_index and s.state = 'sealed'",
+                int(stream), [e.sealed.index for e in batch], [len(e.data) for e in batch],
+                [e.data[-HASH_SIZE:] for e in batch], [e.root for e in batch], [e.frontier for e in batch])
             await conn.execute("update archive_watermarks set archived_through = greatest(archived_through, $2), "
-                               "updated_at = now() where stream = $1", int(row.stream), row.last)
-        self.log.info("archiver.written", stream=row.stream.name.lower(), index=row.index, size=len(data),
-                      outcome=outcome.name.lower())
+                               "updated_at = now() where stream = $1", int(stream), batch[-1].sealed.last)
+        self.log.info("archiver.written", stream=stream.name.lower(), index=batch[0].sealed.index,
+                      segments=len(batch), size=sum(len(e.data) for e in batch),
+                      outcomes=sorted({o.name.lower() for o in outcomes}))
         self._progressed()
-        return _row(await conn.fetchrow(f"select {_SEGMENT_COLUMNS} from archive_segments "
-                                        "where stream = $1 and segment_index = $2", int(row.stream), row.index))
 
-    async def _verify(self, conn: Any, row: _Row) -> _Row:
-        key = self._key(row)
+    async def _read_back(self, row: _Row) -> bytes | None:
+        """The stored bytes of ``row``'s segment, or None when the object is gone."""
         try:
-            data = await self.store.get(key)
+            return await self.store.get(self._key(row))
         except ObjectNotFound:
-            # Written once, gone now (an operator's mistake, a store that lost it): write it again.
-            self.log.error("archiver.segment_missing", key=key, detail="writing it again")
-            data, _tree = await self._encode(conn, row)
-            await self.store.put(key, data)
-            data = await self.store.get(key)
-        try:
-            decoded = decode_segment(data, expected_previous_hash=row.previous_hash, expected_lineage=self._lineage,
-                                     expected_index=row.index, expected_stream=row.stream)
-        except ArchiveFormatError as e:
-            raise ArchiverError(f"segment {key} read back from the store fails its check: {e.kind}: {e}") from e
-        if decoded.hash != row.hash or decoded.size != row.size:
-            raise ArchiverError(f"segment {key} read back from the store is not the one written")
+            return None
+
+    async def _verify(self, conn: Any, rows: list[_Row]) -> None:
+        """Read written segments back, check them, and only then record them verified (at once)."""
+        datas = await _store_all([functools.partial(self._read_back, row) for row in rows])
+        for i, (row, data) in enumerate(zip(rows, datas)):
+            key = self._key(row)
+            if data is None:
+                # Written once, gone now (an operator's mistake, a store that lost it): write it again.
+                self.log.error("archiver.segment_missing", key=key, detail="writing it again")
+                (encoded,) = await self._reencode(conn, [row])
+                await self.store.put(key, encoded.data)
+                datas[i] = data = await self.store.get(key)
+            try:
+                assert row.hash is not None
+                checked = check_read_back(data, expected_hash=row.hash, expected_previous_hash=row.previous_hash,
+                                          expected_lineage=self._lineage, expected_index=row.index,
+                                          expected_stream=row.stream)
+            except ArchiveFormatError as e:
+                raise ArchiverError(f"segment {key} read back from the store fails its check: {e.kind}: {e}") from e
+            if checked.size != row.size:
+                raise ArchiverError(f"segment {key} read back from the store is not the one written")
+        stream, through = rows[0].stream, max(r.last for r in rows)
         async with conn.transaction():
             await conn.execute("update archive_segments set state = 'verified', verified_at = now() "
-                               "where stream = $1 and segment_index = $2 and state = 'written'",
-                               int(row.stream), row.index)
+                               "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written'",
+                               int(stream), [r.index for r in rows])
             await conn.execute("update archive_watermarks set verified_through = greatest(verified_through, $2), "
-                               "updated_at = now() where stream = $1", int(row.stream), row.last)
-        self.verified_through[row.stream] = row.last
-        self.log.info("archiver.verified", stream=row.stream.name.lower(), index=row.index)
+                               "updated_at = now() where stream = $1", int(stream), through)
+        self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
+        self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
         self._progressed()
-        return dataclasses.replace(row, state="verified")
 
     # --- publish -----------------------------------------------------------------------------
 

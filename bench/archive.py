@@ -104,8 +104,7 @@ async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: st
                              expected_previous_hash=previous, expected_lineage=lineage,
                              expected_index=entry.index, expected_stream=Stream.PUBLIC)
         previous = seg.hash
-        for event in seg.events:
-            tree.append_hash(event.leaf_hash)
+        tree.extend(seg.leaf_hashes)
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, tree.size)),
                                    parse_verifier_key(verifier_text))
     assert checkpoint.root == tree.root(), "the recomputed root differs from the checkpoint's"

@@ -12,12 +12,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from actors.reads.corpus import ARCHIVE_PATH
 from infra.archive_store import ArchiveStore, ObjectNotFound
 from infra.db.pool import Target, connection
-from protocol.archive import Stream, event_body, public_key_key, segment_key
+from protocol.archive import Stream, change_body, public_key_key, segment_key
 from protocol.merkle import CompactTree, inclusion_ranges, leaf_hash
 
 #: Where the web front serves the public archive's parts.
@@ -213,7 +211,7 @@ async def inclusion_proof(target: Target, sequence: int, size: int | None) -> In
             if not rows:
                 break
             for row in rows:
-                h = leaf_hash(event_body(orjson.loads(row["event"])))
+                h = leaf_hash(change_body(row["event"]))
                 if position == index:
                     leaf = h
                 else:
