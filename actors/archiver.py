@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -78,10 +79,12 @@ from protocol.archive import (
     HEADER_SIZE,
     TRAILER_SIZE,
     ArchiveFormatError,
+    SegmentBody,
     Stream,
+    chain_segments,
     check_read_back,
     checkpoint_key,
-    encode_frames,
+    encode_body,
     manifest_key,
     private_checkpoint_key,
     public_key_key,
@@ -183,20 +186,19 @@ def _row(r: Any) -> _Row:
 
 # One catch-up batch of a stream: at most $2 rows after $1, no more than fit in $3 bytes plus the
 # row that crosses the line (so the caller can tell whether the size rule cut a segment, and
-# whether rows may follow the batch). The bodies come as bytes (convert_to): they are archived as
-# they are, and decoding them to str only to encode them again is most of a row's cost.
+# whether rows may follow the batch). Public bodies come as text and are encoded here: measured,
+# that is cheaper than convert_to() to bytea on the server.
 _PUBLIC_BATCH = (
     "select sequence, body from ("
     "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
-    "  from (select sequence, convert_to(event, 'UTF8') as body from changes where sequence > $1"
+    "  from (select sequence, event as body from changes where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
 _PRIVATE_BATCH = (
     "select sequence, body from ("
     "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
     "  from (select sequence, body from archive_private_records where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
-_PUBLIC_RANGE = ("select sequence, convert_to(event, 'UTF8') as body from changes where sequence between $1 and $2 "
-                 "order by sequence")
+_PUBLIC_RANGE = "select sequence, event as body from changes where sequence between $1 and $2 order by sequence"
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
 # Seconds since the first event after $1 (the start of the open segment), or no row.
@@ -313,6 +315,8 @@ class Archiver(Actor):
         self._consumer: Consumer | None = None
         self._probed = False
         self._progress = asyncio.Event()
+        #: Per stream: the batch being read ahead, as (the sequence it starts after, its task).
+        self._prefetch: dict[Stream, tuple[int, asyncio.Future[list[Any]]]] = {}
 
     # --- observing ---------------------------------------------------------------------------
 
@@ -352,6 +356,7 @@ class Archiver(Actor):
                 await self._consumer.cancel()
 
     async def close(self) -> None:
+        self._drop_prefetches()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)
@@ -372,6 +377,7 @@ class Archiver(Actor):
 
     def _inactive(self) -> None:
         self.active = False
+        self._drop_prefetches()
 
     async def _archive_while_active(self, session: LockSession) -> None:
         self.active = True
@@ -513,11 +519,11 @@ class Archiver(Actor):
         after = previous.last if previous is not None else 0
         policy = self.policy
         limit, budget = policy.events * BATCH_SEGMENTS, policy.bytes * BATCH_SEGMENT_BYTES
-        rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
+        rows = await self._batch_rows(conn, stream, after, limit, budget)
         if not rows:
             return []
         sequences: list[int] = [r[0] for r in rows]
-        bodies: list[bytes] = [r[1] for r in rows]
+        bodies: list[bytes] = [r[1].encode() for r in rows] if stream is Stream.PUBLIC else [r[1] for r in rows]
         # Rows may follow the batch: its open tail could still fill up, so it is left for later.
         truncated = len(rows) == limit or sum(map(len, bodies)) >= budget
         cuts: list[tuple[int, int, str]] = []
@@ -538,16 +544,15 @@ class Archiver(Actor):
                 cuts.append((start, len(rows), "age"))
         if not cuts:
             return []
+        if truncated:
+            # Behind: read the next batch while this one is encoded, put and read back.
+            self._prefetch_rows(stream, sequences[cuts[-1][1] - 1], limit, budget)
         tree = previous.tree() if previous is not None else CompactTree()
         index = previous.index + 1 if previous is not None else 0
         previous_hash = previous.hash if previous is not None else GENESIS_HASH
         assert previous_hash is not None  # the previous segment is published, hence encoded
-        batch: list[_Encoded] = []
-        for lo, hi, _rule in cuts:
-            data, frontier = self._encode(stream, index, previous_hash, sequences[lo:hi], bodies[lo:hi], tree)
-            batch.append(_Encoded(_Row(stream, index, sequences[lo], sequences[hi - 1], hi - lo, tree.size,
-                                       previous_hash, "sealed", None, None, None), data, frontier))
-            previous_hash, index = data[-HASH_SIZE:], index + 1
+        batch = await self._encode(stream, index, previous_hash, [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts],
+                                   tree)
         rows_ = [e.sealed for e in batch]
         await conn.execute(
             "insert into archive_segments (stream, segment_index, first_sequence, last_sequence, event_count, "
@@ -573,14 +578,61 @@ class Archiver(Actor):
 
     # --- encode, write, verify ---------------------------------------------------------------
 
-    def _encode(self, stream: Stream, index: int, previous_hash: bytes, sequences: list[int], bodies: list[bytes],
-                tree: CompactTree) -> tuple[bytes, bytes]:
-        """A segment's bytes; ``tree`` is extended with its leaves. Returns the bytes and the
-        tree's frontier after it (as the ``frontier`` column holds it)."""
-        data, leaves = encode_frames(stream, self._lineage, index, previous_hash, sequences, bodies)
-        tree.extend(leaves)
-        assert tree.frontier is not None
-        return data, b"".join(tree.frontier)
+    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int, budget: int) -> list[Any]:
+        """The rows of the batch after ``after``: the prefetched ones when they are those, else read now."""
+        prefetch = self._prefetch.pop(stream, None)
+        if prefetch is not None:
+            prefetched_after, task = prefetch
+            if prefetched_after == after:
+                with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
+                    return await task  # type: ignore[no-any-return]
+            task.cancel()
+        return await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH,  # type: ignore[no-any-return]
+                                after, limit, budget)
+
+    def _prefetch_rows(self, stream: Stream, after: int, limit: int, budget: int) -> None:
+        """Start reading the batch after ``after`` on a pool connection (the history is committed and
+        immutable: reading it needs no lock; what is sealed from it is decided under the lock)."""
+        query = _PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH
+
+        async def read() -> list[Any]:
+            async with self.db.pool.acquire() as conn:
+                return await conn.fetch(query, after, limit, budget)  # type: ignore[no-any-return]
+
+        old = self._prefetch.pop(stream, None)
+        if old is not None:
+            old[1].cancel()
+        self._prefetch[stream] = (after, asyncio.ensure_future(read()))
+
+    def _drop_prefetches(self) -> None:
+        for _after, task in self._prefetch.values():
+            task.cancel()
+        self._prefetch.clear()
+
+    async def _encode(self, stream: Stream, index: int, previous_hash: bytes,
+                      segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
+        """Consecutive segments' bytes from their (sequences, bodies), as sealed rows; ``tree`` is
+        extended with their leaves.
+
+        The bodies are made here, then their hashes chained in a thread: SHA-256 over whole
+        segments releases the GIL, so it runs beside whatever the event loop does meanwhile (the
+        next batch's rows arriving).
+        """
+        pieces: list[SegmentBody] = []
+        rows: list[_Row] = []
+        frontiers: list[bytes] = []
+        for i, (sequences, bodies) in enumerate(segments):
+            body, leaves = encode_body(sequences, bodies)
+            tree.extend(leaves)
+            assert tree.frontier is not None
+            pieces.append(SegmentBody(sequences[0], sequences[-1], len(sequences), body))
+            rows.append(_Row(stream, index + i, sequences[0], sequences[-1], len(sequences), tree.size,
+                             b"", "sealed", None, None, None))
+            frontiers.append(b"".join(tree.frontier))
+        datas = await asyncio.to_thread(chain_segments, stream, self._lineage, index, previous_hash, pieces)
+        links = [previous_hash] + [d[-HASH_SIZE:] for d in datas[:-1]]
+        return [_Encoded(dataclasses.replace(row, previous_hash=link), data, frontier)
+                for row, link, data, frontier in zip(rows, links, datas, frontiers)]
 
     async def _reencode(self, conn: Any, rows: list[_Row]) -> list[_Encoded]:
         """The bytes of consecutive recorded segments, encoded again from the history (one query)."""
@@ -593,27 +645,26 @@ class Archiver(Actor):
             tree = _row(prior).tree()
         records = await conn.fetch(_PUBLIC_RANGE if first.stream is Stream.PUBLIC else _PRIVATE_RANGE,
                                    first.first, rows[-1].last)
-        out: list[_Encoded] = []
-        position, previous_hash = 0, first.previous_hash
+        segments: list[tuple[list[int], list[bytes]]] = []
+        position = 0
         for row in rows:
-            name = f"{row.stream.name.lower()} segment {row.index}"
-            if row.previous_hash != previous_hash:
-                raise ArchiverError(f"{name} was sealed linking to {row.previous_hash.hex()}, the segment before "
-                                    f"it encodes to {previous_hash.hex()}")
             start = position
             while position < len(records) and records[position][0] <= row.last:
                 position += 1
             chunk = records[start:position]
             if len(chunk) != row.count or (chunk and chunk[0][0] < row.first):
-                raise ArchiverError(f"{name} was sealed with {row.count} events in {row.first}..{row.last}, "
-                                    f"the history now holds {len(chunk)} there (or before it)")
-            data, frontier = self._encode(row.stream, row.index, row.previous_hash, [r[0] for r in chunk],
-                                          [bytes(r[1]) for r in chunk], tree)
-            if tree.size != row.tree_size:
-                raise ArchiverError(f"{name}: tree size {tree.size}, recorded {row.tree_size}")
-            out.append(_Encoded(row, data, frontier))
-            previous_hash = data[-HASH_SIZE:]
-        return out
+                raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed with {row.count} "
+                                    f"events in {row.first}..{row.last}, the history now holds {len(chunk)} there "
+                                    "(or before it)")
+            segments.append(([r[0] for r in chunk], [r[1].encode() if isinstance(r[1], str) else bytes(r[1])
+                                                     for r in chunk]))
+        out = await self._encode(first.stream, first.index, first.previous_hash, segments, tree)
+        for row, again in zip(rows, out):
+            if (again.sealed.previous_hash, again.sealed.tree_size) != (row.previous_hash, row.tree_size):
+                raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed linking to "
+                                    f"{row.previous_hash.hex()} at tree size {row.tree_size}; encoded again it "
+                                    f"links to {again.sealed.previous_hash.hex()} at {again.sealed.tree_size}")
+        return [dataclasses.replace(e, sealed=row) for row, e in zip(rows, out)]
 
     def _key(self, row: _Row) -> str:
         return segment_key(self._lineage, row.index, row.first, row.last, row.stream)
@@ -649,24 +700,38 @@ class Archiver(Actor):
 
     async def _verify(self, conn: Any, rows: list[_Row]) -> None:
         """Read written segments back, check them, and only then record them verified (at once)."""
-        datas = await _store_all([functools.partial(self._read_back, row) for row in rows])
-        for i, (row, data) in enumerate(zip(rows, datas)):
-            key = self._key(row)
+        found = await _store_all([functools.partial(self._read_back, row) for row in rows])
+        datas: list[bytes] = []
+        for row, data in zip(rows, found):
             if data is None:
                 # Written once, gone now (an operator's mistake, a store that lost it): write it again.
+                key = self._key(row)
                 self.log.error("archiver.segment_missing", key=key, detail="writing it again")
                 (encoded,) = await self._reencode(conn, [row])
                 await self.store.put(key, encoded.data)
-                datas[i] = data = await self.store.get(key)
-            try:
-                assert row.hash is not None
-                checked = check_read_back(data, expected_hash=row.hash, expected_previous_hash=row.previous_hash,
-                                          expected_lineage=self._lineage, expected_index=row.index,
-                                          expected_stream=row.stream)
-            except ArchiveFormatError as e:
-                raise ArchiverError(f"segment {key} read back from the store fails its check: {e.kind}: {e}") from e
-            if checked.size != row.size:
-                raise ArchiverError(f"segment {key} read back from the store is not the one written")
+                data = await self.store.get(key)
+            datas.append(data)
+        # The SHA-256 of every segment read back, in a thread (it releases the GIL) while the frames
+        # are walked here; the trailer is compared with it afterwards.
+        hashing = asyncio.ensure_future(asyncio.to_thread(
+            lambda: [hashlib.sha256(memoryview(d)[:-HASH_SIZE]).digest() for d in datas]))
+        try:
+            for row, data in zip(rows, datas):
+                try:
+                    check_read_back(data, expected_hash=data[-HASH_SIZE:], expected_previous_hash=row.previous_hash,
+                                    expected_lineage=self._lineage, expected_index=row.index,
+                                    expected_stream=row.stream, computed_hash=data[-HASH_SIZE:])
+                except ArchiveFormatError as e:
+                    raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
+                                        f"{e.kind}: {e}") from e
+        finally:
+            hashes = await hashing
+        for row, data, digest in zip(rows, datas, hashes):
+            if digest != data[-HASH_SIZE:]:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
+                                    "hash_mismatch: the trailer's SHA-256 is not the hash of the segment")
+            if digest != row.hash or len(data) != row.size:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store is not the one written")
         stream, through = rows[0].stream, max(r.last for r in rows)
         async with conn.transaction():
             await conn.execute("update archive_segments set state = 'verified', verified_at = now() "

@@ -240,41 +240,75 @@ def encode_frames(stream: Stream, lineage: uuid.UUID, index: int, previous_hash:
                   version: int = FORMAT_VERSION) -> tuple[bytes, list[bytes]]:
     """:func:`encode_segment` from parallel lists of sequences and event bytes; also returns every
     event's leaf hash, so a caller extending the stream's tree does not hash the events again."""
+    frames, leaves = encode_body(sequences, bodies)
+    (data,) = chain_segments(stream, lineage, index, previous_hash,
+                             [SegmentBody(sequences[0], sequences[-1], len(sequences), frames)], version=version)
+    return data, leaves
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentBody:
+    """A segment without its header and hash: what :func:`encode_body` makes, for :func:`chain_segments`."""
+
+    first_sequence: int
+    last_sequence: int
+    event_count: int
+    #: The frames and the Merkle subtree root (the trailer's first half).
+    body: bytes
+
+
+def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
+    """The frames of a segment followed by its Merkle subtree root, and every event's leaf hash.
+
+    Everything of a segment that does not depend on the segment before it, so a batch's bodies can
+    be made before their hashes are chained (:func:`chain_segments`). ValueError when the events
+    could never decode (none, too many, unordered, out of bounds).
+    """
     count = len(sequences)
     if not count or len(bodies) != count:
         raise ValueError("a segment holds at least one event, each with a sequence and its bytes")
     if count > MAX_EVENTS:
         raise ValueError(f"a segment holds at most {MAX_EVENTS} events")
+    if any(map(int.__ge__, sequences[:-1], sequences[1:])) or not 0 <= sequences[0] <= sequences[-1] <= MAX_SEQUENCE:
+        raise ValueError(f"sequences must strictly increase within 0..{MAX_SEQUENCE}")
+    lengths = list(map(len, bodies))
+    if max(lengths) > MAX_EVENT_BYTES:
+        raise ValueError(f"an event is larger than {MAX_EVENT_BYTES} bytes")
+    # Whole-list steps (map over C callables) rather than a loop of statements: this runs once per
+    # archived event, and the interpreter's per-statement cost is most of it.
+    frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
+    crcs = map(_CRC.pack, map(google_crc32c.value, frames))
+    leaves = [hashlib.sha256(LEAF_PREFIX + body).digest() for body in bodies]
+    data = b"".join((*map(bytes.__add__, frames, crcs), tree_root(leaves)))
+    if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
+        raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
+    return data, leaves
+
+
+def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
+                   bodies: Sequence[SegmentBody], *, version: int = FORMAT_VERSION) -> list[bytes]:
+    """Consecutive segments ``index``, ``index + 1``, ... from their bodies: each header links to the
+    hash of the segment before (``previous_hash`` for the first), each segment ends with its hash.
+
+    Only SHA-256 over large buffers, which releases the GIL: callers may run it in a thread.
+    """
     if version not in READABLE_VERSIONS:
         raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
-    if not 0 <= index <= MAX_INDEX:
+    if not 0 <= index <= MAX_INDEX - len(bodies) + 1:
         raise ValueError(f"segment index must be 0..{MAX_INDEX}")
     if len(previous_hash) != HASH_SIZE:
         raise ValueError("previous hash must be 32 bytes")
     if (index == 0) != (previous_hash == GENESIS_HASH):
         raise ValueError("segment 0, and only segment 0, links to the genesis hash")
-    parts = [_HEADER.pack(MAGIC, version, int(stream), 0, lineage.bytes, index,
-                          sequences[0], sequences[-1], count, previous_hash)]
-    leaves: list[bytes] = []
-    # One pass, with the callables bound locally: this loop runs once per archived event.
-    sha256, crc32c, pack_head, pack_crc = hashlib.sha256, google_crc32c.value, _FRAME_HEAD.pack, _CRC.pack
-    append, add_leaf = parts.append, leaves.append
-    last = -1
-    for sequence, body in zip(sequences, bodies):
-        if not last < sequence <= MAX_SEQUENCE:
-            raise ValueError(f"sequences must strictly increase within 0..{MAX_SEQUENCE}")
-        if len(body) > MAX_EVENT_BYTES:
-            raise ValueError(f"event {sequence} is larger than {MAX_EVENT_BYTES} bytes")
-        last = sequence
-        frame = pack_head(len(body), sequence) + body
-        append(frame)
-        append(pack_crc(crc32c(frame)))
-        add_leaf(sha256(LEAF_PREFIX + body).digest())
-    parts.append(tree_root(leaves))
-    data = b"".join(parts)
-    if len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
-        raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
-    return data + sha256(data).digest(), leaves
+    out: list[bytes] = []
+    for i, piece in enumerate(bodies):
+        header = _HEADER.pack(MAGIC, version, int(stream), 0, lineage.bytes, index + i, piece.first_sequence,
+                              piece.last_sequence, piece.event_count, previous_hash)
+        digest = hashlib.sha256(header)
+        digest.update(piece.body)
+        previous_hash = digest.digest()
+        out.append(b"".join((header, piece.body, previous_hash)))
+    return out
 
 
 def segment_hash(data: bytes) -> bytes:
@@ -297,7 +331,8 @@ def decode_segment(data: bytes, *, expected_previous_hash: bytes | None = None,
 
 
 def check_read_back(data: bytes, *, expected_hash: bytes, expected_previous_hash: bytes,
-                    expected_lineage: uuid.UUID, expected_index: int, expected_stream: Stream) -> DecodedSegment:
+                    expected_lineage: uuid.UUID, expected_index: int, expected_stream: Stream,
+                    computed_hash: bytes | None = None) -> DecodedSegment:
     """The archiver's check of a segment it wrote and read back: everything :func:`decode_segment`
     checks except recomputing the Merkle root, plus that its hash is ``expected_hash``.
 
@@ -306,8 +341,11 @@ def check_read_back(data: bytes, *, expected_hash: bytes, expected_previous_hash
     these same frames. The frames and CRCs are still walked, so bytes that were only re-hashed
     could not pass with a broken frame. The result has no events (``events`` and ``leaf_hashes``
     are empty); its counts and range are the header's, checked against the frames.
+
+    ``computed_hash``: the SHA-256 of ``data[:-32]`` when the caller computed it already (e.g. in a
+    thread, beside this walk), so it is not computed twice.
     """
-    segment = _walk(data, False)
+    segment = _walk(data, False, computed_hash)
     if segment.hash != expected_hash:
         raise HashMismatch(f"segment {segment.index} read back hashes to {segment.hash.hex()}, "
                            f"{expected_hash.hex()} was written", offset=len(data) - HASH_SIZE)
@@ -315,7 +353,7 @@ def check_read_back(data: bytes, *, expected_hash: bytes, expected_previous_hash
     return segment
 
 
-def _walk(data: bytes, full: bool) -> DecodedSegment:
+def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> DecodedSegment:
     """Check a segment's bytes; ``full``: also build its events and leaf hashes and check its root."""
     n = len(data)
     if n > MAX_SEGMENT_BYTES:
@@ -393,7 +431,7 @@ def _walk(data: bytes, full: bool) -> DecodedSegment:
     if full and tree_root(leaves) != merkle_root:
         raise MerkleRootMismatch("the trailer's Merkle root is not the root of these frames", offset=frames_end)
     digest = data[n - HASH_SIZE:]
-    if sha256(memoryview(data)[:n - HASH_SIZE]).digest() != digest:
+    if (computed_hash or sha256(memoryview(data)[:n - HASH_SIZE]).digest()) != digest:
         raise HashMismatch("the trailer's SHA-256 is not the hash of the segment", offset=n - HASH_SIZE)
     return DecodedSegment(stream, uuid.UUID(bytes=lineage_raw), index, first, last, bytes(previous_hash),
                           tuple(events), merkle_root, digest, n, tuple(leaves), version)
