@@ -187,7 +187,7 @@ def _row(r: Any) -> _Row:
 # One catch-up batch of a stream: at most $2 rows after $1, no more than fit in $3 bytes plus the
 # row that crosses the line (so the caller can tell whether the size rule cut a segment, and
 # whether rows may follow the batch). Public bodies come as text and are encoded here: measured,
-# that is cheaper than convert_to() to bytea on the server.
+# that is cheaper than convert_to() to bytea on the server, and than parsing COPY's text output.
 _PUBLIC_BATCH = (
     "select sequence, body from ("
     "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
@@ -201,6 +201,14 @@ _PRIVATE_BATCH = (
 _PUBLIC_RANGE = "select sequence, event as body from changes where sequence between $1 and $2 order by sequence"
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
+async def _read_batch(conn: Any, stream: Stream, after: int, limit: int, budget: int) -> tuple[list[int], list[bytes]]:
+    """The sequences and bodies of the batch after ``after`` (see ``_PUBLIC_BATCH``)."""
+    rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
+    if stream is Stream.PUBLIC:
+        return [r[0] for r in rows], [r[1].encode() for r in rows]
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
 # Seconds since the first event after $1 (the start of the open segment), or no row.
 _PUBLIC_AGE = ("select extract(epoch from now() - occurred_at)::float8 from changes where sequence > $1 "
                "order by sequence limit 1")
@@ -316,7 +324,7 @@ class Archiver(Actor):
         self._probed = False
         self._progress = asyncio.Event()
         #: Per stream: the batch being read ahead, as (the sequence it starts after, its task).
-        self._prefetch: dict[Stream, tuple[int, asyncio.Future[list[Any]]]] = {}
+        self._prefetch: dict[Stream, tuple[int, asyncio.Future[tuple[list[int], list[bytes]]]]] = {}
 
     # --- observing ---------------------------------------------------------------------------
 
@@ -519,13 +527,11 @@ class Archiver(Actor):
         after = previous.last if previous is not None else 0
         policy = self.policy
         limit, budget = policy.events * BATCH_SEGMENTS, policy.bytes * BATCH_SEGMENT_BYTES
-        rows = await self._batch_rows(conn, stream, after, limit, budget)
-        if not rows:
+        sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget)
+        if not sequences:
             return []
-        sequences: list[int] = [r[0] for r in rows]
-        bodies: list[bytes] = [r[1].encode() for r in rows] if stream is Stream.PUBLIC else [r[1] for r in rows]
         # Rows may follow the batch: its open tail could still fill up, so it is left for later.
-        truncated = len(rows) == limit or sum(map(len, bodies)) >= budget
+        truncated = len(sequences) == limit or sum(map(len, bodies)) >= budget
         cuts: list[tuple[int, int, str]] = []
         start, size = 0, HEADER_SIZE + TRAILER_SIZE
         for i, body in enumerate(bodies):
@@ -537,11 +543,11 @@ class Archiver(Actor):
             if i + 1 - start == policy.events:
                 cuts.append((start, i + 1, "events"))
                 start, size = i + 1, HEADER_SIZE + TRAILER_SIZE
-        if start < len(rows) and not truncated:
+        if start < len(sequences) and not truncated:
             age = await conn.fetchval(_PUBLIC_AGE if stream is Stream.PUBLIC else _PRIVATE_AGE,
                                       sequences[start - 1] if start else after)
             if age is not None and age >= policy.seconds:
-                cuts.append((start, len(rows), "age"))
+                cuts.append((start, len(sequences), "age"))
         if not cuts:
             return []
         if truncated:
@@ -578,26 +584,24 @@ class Archiver(Actor):
 
     # --- encode, write, verify ---------------------------------------------------------------
 
-    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int, budget: int) -> list[Any]:
-        """The rows of the batch after ``after``: the prefetched ones when they are those, else read now."""
+    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int,
+                          budget: int) -> tuple[list[int], list[bytes]]:
+        """The batch after ``after``: the prefetched one when it is that, else read now."""
         prefetch = self._prefetch.pop(stream, None)
         if prefetch is not None:
             prefetched_after, task = prefetch
             if prefetched_after == after:
                 with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
-                    return await task  # type: ignore[no-any-return]
+                    return await task
             task.cancel()
-        return await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH,  # type: ignore[no-any-return]
-                                after, limit, budget)
+        return await _read_batch(conn, stream, after, limit, budget)
 
     def _prefetch_rows(self, stream: Stream, after: int, limit: int, budget: int) -> None:
         """Start reading the batch after ``after`` on a pool connection (the history is committed and
         immutable: reading it needs no lock; what is sealed from it is decided under the lock)."""
-        query = _PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH
-
-        async def read() -> list[Any]:
+        async def read() -> tuple[list[int], list[bytes]]:
             async with self.db.pool.acquire() as conn:
-                return await conn.fetch(query, after, limit, budget)  # type: ignore[no-any-return]
+                return await _read_batch(conn, stream, after, limit, budget)
 
         old = self._prefetch.pop(stream, None)
         if old is not None:
