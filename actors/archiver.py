@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -186,26 +185,26 @@ def _row(r: Any) -> _Row:
 
 # One catch-up batch of a stream: at most $2 rows after $1, no more than fit in $3 bytes plus the
 # row that crosses the line (so the caller can tell whether the size rule cut a segment, and
-# whether rows may follow the batch). Public bodies come as text and are encoded here: measured,
-# that is cheaper than convert_to() to bytea on the server, and than parsing COPY's text output.
+# whether rows may follow the batch). Public bodies come as bytes through textsend(), the text's
+# UTF-8 (the connection's encoding): measured, cheaper than text decoded to str and encoded again,
+# than convert_to(), and than parsing COPY's text output.
 _PUBLIC_BATCH = (
     "select sequence, body from ("
     "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
-    "  from (select sequence, event as body from changes where sequence > $1"
+    "  from (select sequence, textsend(event) as body from changes where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
 _PRIVATE_BATCH = (
     "select sequence, body from ("
     "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
     "  from (select sequence, body from archive_private_records where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
-_PUBLIC_RANGE = "select sequence, event as body from changes where sequence between $1 and $2 order by sequence"
+_PUBLIC_RANGE = ("select sequence, textsend(event) as body from changes where sequence between $1 and $2 "
+                 "order by sequence")
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
 async def _read_batch(conn: Any, stream: Stream, after: int, limit: int, budget: int) -> tuple[list[int], list[bytes]]:
     """The sequences and bodies of the batch after ``after`` (see ``_PUBLIC_BATCH``)."""
     rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
-    if stream is Stream.PUBLIC:
-        return [r[0] for r in rows], [r[1].encode() for r in rows]
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
@@ -618,10 +617,13 @@ class Archiver(Actor):
         """Consecutive segments' bytes from their (sequences, bodies), as sealed rows; ``tree`` is
         extended with their leaves.
 
-        The bodies are made here, then their hashes chained in a thread: SHA-256 over whole
-        segments releases the GIL, so it runs beside whatever the event loop does meanwhile (the
-        next batch's rows arriving).
+        All of it runs in a thread: SHA-256 over whole segments releases the GIL, and the rest
+        fills the event loop's waits (the next batch's rows arriving, store calls completing).
         """
+        return await asyncio.to_thread(self._encode_now, stream, index, previous_hash, segments, tree)
+
+    def _encode_now(self, stream: Stream, index: int, previous_hash: bytes,
+                    segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
         pieces: list[SegmentBody] = []
         rows: list[_Row] = []
         frontiers: list[bytes] = []
@@ -633,7 +635,7 @@ class Archiver(Actor):
             rows.append(_Row(stream, index + i, sequences[0], sequences[-1], len(sequences), tree.size,
                              b"", "sealed", None, None, None))
             frontiers.append(b"".join(tree.frontier))
-        datas = await asyncio.to_thread(chain_segments, stream, self._lineage, index, previous_hash, pieces)
+        datas = chain_segments(stream, self._lineage, index, previous_hash, pieces)
         links = [previous_hash] + [d[-HASH_SIZE:] for d in datas[:-1]]
         return [_Encoded(dataclasses.replace(row, previous_hash=link), data, frontier)
                 for row, link, data, frontier in zip(rows, links, datas, frontiers)]
@@ -660,8 +662,7 @@ class Archiver(Actor):
                 raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed with {row.count} "
                                     f"events in {row.first}..{row.last}, the history now holds {len(chunk)} there "
                                     "(or before it)")
-            segments.append(([r[0] for r in chunk], [r[1].encode() if isinstance(r[1], str) else bytes(r[1])
-                                                     for r in chunk]))
+            segments.append(([r[0] for r in chunk], [r[1] for r in chunk]))
         out = await self._encode(first.stream, first.index, first.previous_hash, segments, tree)
         for row, again in zip(rows, out):
             if (again.sealed.previous_hash, again.sealed.tree_size) != (row.previous_hash, row.tree_size):
@@ -715,27 +716,9 @@ class Archiver(Actor):
                 await self.store.put(key, encoded.data)
                 data = await self.store.get(key)
             datas.append(data)
-        # The SHA-256 of every segment read back, in a thread (it releases the GIL) while the frames
-        # are walked here; the trailer is compared with it afterwards.
-        hashing = asyncio.ensure_future(asyncio.to_thread(
-            lambda: [hashlib.sha256(memoryview(d)[:-HASH_SIZE]).digest() for d in datas]))
-        try:
-            for row, data in zip(rows, datas):
-                try:
-                    check_read_back(data, expected_hash=data[-HASH_SIZE:], expected_previous_hash=row.previous_hash,
-                                    expected_lineage=self._lineage, expected_index=row.index,
-                                    expected_stream=row.stream, computed_hash=data[-HASH_SIZE:])
-                except ArchiveFormatError as e:
-                    raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
-                                        f"{e.kind}: {e}") from e
-        finally:
-            hashes = await hashing
-        for row, data, digest in zip(rows, datas, hashes):
-            if digest != data[-HASH_SIZE:]:
-                raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
-                                    "hash_mismatch: the trailer's SHA-256 is not the hash of the segment")
-            if digest != row.hash or len(data) != row.size:
-                raise ArchiverError(f"segment {self._key(row)} read back from the store is not the one written")
+        # In a thread, like encoding: the frames walk fills the event loop's waits, and SHA-256 over
+        # whole segments releases the GIL.
+        await asyncio.to_thread(self._check_now, rows, datas)
         stream, through = rows[0].stream, max(r.last for r in rows)
         async with conn.transaction():
             await conn.execute("update archive_segments set state = 'verified', verified_at = now() "
@@ -746,6 +729,20 @@ class Archiver(Actor):
         self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
         self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
         self._progressed()
+
+    def _check_now(self, rows: list[_Row], datas: list[bytes]) -> None:
+        """Check every segment read back against its row; ArchiverError naming the first that fails."""
+        for row, data in zip(rows, datas):
+            try:
+                assert row.hash is not None
+                checked = check_read_back(data, expected_hash=row.hash, expected_previous_hash=row.previous_hash,
+                                          expected_lineage=self._lineage, expected_index=row.index,
+                                          expected_stream=row.stream)
+            except ArchiveFormatError as e:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
+                                    f"{e.kind}: {e}") from e
+            if checked.size != row.size:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store is not the one written")
 
     # --- publish -----------------------------------------------------------------------------
 

@@ -277,9 +277,12 @@ def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[byte
     # Whole-list steps (map over C callables) rather than a loop of statements: this runs once per
     # archived event, and the interpreter's per-statement cost is most of it.
     frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
-    crcs = map(_CRC.pack, map(google_crc32c.value, frames))
+    parts: list[bytes] = [b""] * (2 * count + 1)
+    parts[0:-1:2] = frames
+    parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
     leaves = [hashlib.sha256(LEAF_PREFIX + body).digest() for body in bodies]
-    data = b"".join((*map(bytes.__add__, frames, crcs), tree_root(leaves)))
+    parts[-1] = tree_root(leaves)
+    data = b"".join(parts)
     if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
         raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
     return data, leaves
