@@ -11,25 +11,36 @@ agent register entries, :mod:`protocol.archive_private`):
 1. **Capture** (private stream only): agents and answered operation records that changed are marked
    pending by triggers (migration 0007); the active archiver turns them into immutable
    ``archive_private_records`` rows with the next private sequence.
-2. **Seal**: the events after the last segment are sealed into a new segment at
-   ``policy.events`` events, when the next event would take it past ``policy.bytes`` bytes, or
-   ``policy.seconds`` after its first event. Only committed events are ever read, and the writer
-   assigns sequences in commit order under its sequence lock (:mod:`actors.writer.store`), so every
-   sequence below a visible one is already visible: the visible history is the safe watermark, the
-   same rule the publisher and every ``after=`` reader rely on (private sequences are assigned by
-   the archiver alone, under its lock). The decision (index, range, count, previous hash) is
-   recorded in ``archive_segments`` *before* encoding, so an archiver restarted at any point
-   encodes the same bytes again.
-3. **Write**: encode (:func:`protocol.archive.encode_segment`) and put create-only; an existing
-   identical object counts as written, a different one is a :class:`~infra.archive_store.ForkAlarm`
-   that stops the archiver loudly: it crashes, and every restart the supervisor makes (with its
-   growing back-off) meets the same object and reports it again, until an operator acts. The row moves to ``written`` with size, hash, root and the Merkle
-   frontier after it.
-4. **Verify**: read the object back, decode it completely against the expected link, lineage, index
-   and stream, and compare its hash with the row's: only then ``verified``.
+Steps 2 to 5 go a **batch** at a time: up to :data:`BATCH_SEGMENTS` segments (and
+:data:`BATCH_SEGMENT_BYTES` segments' worth of bytes) read in one query, sealed and encoded in one
+pass, each state change recorded for the whole batch in one statement, one checkpoint and one
+manifest for the batch. Caught up, a batch is the one segment that just sealed, so it is published
+at once; behind, the checkpoints are fewer (each still extends the last).
+
+2. **Seal**: the events after the last segment are cut into segments at ``policy.events`` events,
+   when the next event would take one past ``policy.bytes`` bytes, or ``policy.seconds`` after its
+   first event (only for the batch's open tail, and only when no rows may follow it). Only
+   committed events are ever read, and the writer assigns sequences in commit order under its
+   sequence lock (:mod:`actors.writer.store`), so every sequence below a visible one is already
+   visible: the visible history is the safe watermark, the same rule the publisher and every
+   ``after=`` reader rely on (private sequences are assigned by the archiver alone, under its
+   lock). The decisions (index, range, count, tree size, previous hash) are recorded in
+   ``archive_segments`` *before* anything is put, so an archiver restarted at any point encodes
+   the same bytes again (:meth:`Archiver._reencode`).
+3. **Write**: put create-only (:data:`STORE_CONCURRENCY` at once); an existing identical object
+   counts as written, a different one is a :class:`~infra.archive_store.ForkAlarm` that stops the
+   archiver loudly: it crashes, and every restart the supervisor makes (with its growing back-off)
+   meets the same object and reports it again, until an operator acts. The rows move to
+   ``written`` with size, hash, root and the Merkle frontier after each.
+4. **Verify**: read each object back; walk its frames and CRC32Cs, check link, lineage, index and
+   stream, recompute its SHA-256 and compare it with the row's
+   (:func:`protocol.archive.check_read_back`): only then ``verified``.
 5. **Publish**: sign a checkpoint of the stream's tree (``checkpoints/<size>``, kept for ever;
    private: ``private/checkpoints/<size>``, with the extension line ``private``), put the public key
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
+
+While behind, the next batch's rows are read ahead on a pool connection, and encoding and the
+read-back check run in a worker thread (SHA-256 over whole segments releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
@@ -37,7 +48,8 @@ activation it probes the store and refuses (crashes with :class:`~infra.archive_
 one that ignores create-only writes. A store that is unreachable is retried with a back-off; nothing
 is marked verified without a successful read-back, and sealing stops until the backlog drains.
 
-Memory: one segment's events at a time (at most ``policy.bytes`` plus one event), plus the manifest.
+Memory: two batches' rows and bytes at most (the current one and the one read ahead; each at most
+``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event, encoded once more), plus the manifest.
 
 Emits: archive objects and the manifest; the watermarks in ``archive_watermarks``.
 """
@@ -115,6 +127,9 @@ STORE_CONCURRENCY = 8
 CAPTURE_BATCH = 500
 #: Seconds between two counts of the archive's lag.
 MEASURE_INTERVAL = 1.0
+#: Lag counted row by row up to this many sequences; above it, the sequence difference (counting
+#: sequences of rolled-back writes too) stands in, as counting costs a scan of that many rows.
+EXACT_LAG = 10_000
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
 
@@ -408,7 +423,7 @@ class Archiver(Actor):
                 for stream in (Stream.PUBLIC, Stream.PRIVATE):
                     busy |= await guarded(session, self._round(session, stream))
                 if loop.time() >= next_measure:
-                    # Counting the lag costs a scan of up to 100,000 index entries: once a second is plenty.
+                    # Counting the lag costs a scan of up to EXACT_LAG rows: once a second is plenty.
                     await guarded(session, self._measure(session))
                     next_measure = loop.time() + MEASURE_INTERVAL
             except (ForkAlarm, CreateOnlyIgnored):
@@ -784,8 +799,11 @@ class Archiver(Actor):
         verified = int(await session.conn.fetchval(
             "select verified_through from archive_watermarks where stream = 0"))
         self.verified_through[Stream.PUBLIC] = verified
-        self.lag_events = int(await session.conn.fetchval(
-            "select count(*) from (select 1 from changes where sequence > $1 limit 100000) as behind", verified))
+        behind = int(await session.conn.fetchval("select coalesce(max(sequence), 0) from changes")) - verified
+        if 0 < behind <= EXACT_LAG:
+            behind = int(await session.conn.fetchval(
+                "select count(*) from changes where sequence > $1", verified))
+        self.lag_events = max(0, behind)
 
     async def _pause(self, seconds: float, *events: asyncio.Event) -> None:
         await pause(seconds, self._stop_requested, *events)
@@ -803,7 +821,8 @@ class ArchiverCollector(SingleActiveCollector[Archiver]):
                 GaugeMetricFamily("toastmachine_archive_verified_through",
                                   "Highest change sequence in a verified archive segment."),
                 GaugeMetricFamily("toastmachine_archive_lag_events",
-                                  "Committed changes not yet in a verified archive segment (counted up to 100000)."))
+                                  "Committed changes not yet in a verified archive segment (counted exactly up to 10000; above, the "
+                                  "sequence difference)."))
 
     def fill(self, actor: Archiver, families: tuple[Family, ...]) -> None:
         active, verified, lag = families

@@ -107,7 +107,7 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int
     try:
         while int(await db.pool.fetchval(
                 "select coalesce(max(tree_size), 0) from archive_segments where stream = 0 and state = 'published'")) < full:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
     finally:
         await archiver.stop(grace=5)
