@@ -116,8 +116,9 @@ WAKE_QUEUE_LENGTH = 100
 DEFAULT_STANDBY_INTERVAL = 1.0
 #: Back-off after a store failure: doubles from the first value up to the second.
 STORE_BACKOFF = (0.5, 10.0)
-#: Segments sealed, written, verified and published together at most (a batch: when the archiver is
-#: behind, one checkpoint and one manifest per batch instead of per segment).
+#: Segments sealed, written, verified and published together at most by default (a batch: when the
+#: archiver is behind, one checkpoint and one manifest per batch instead of per segment;
+#: ``TOASTMACHINE_ARCHIVE_BATCH_SEGMENTS``).
 BATCH_SEGMENTS = 32
 #: Event bytes read per batch at most, in segments of ``policy.bytes`` (16 MiB by default).
 BATCH_SEGMENT_BYTES = 4
@@ -300,6 +301,7 @@ class Archiver(Actor):
         sweep_interval: seconds between sweeps when no wake-up arrives.
         standby_interval: seconds between a standby's attempts to take the lock.
         parent_lineage: the lineage a restore started from, listed in the manifest (None: original).
+        batch_segments: segments handled together at most (see :data:`BATCH_SEGMENTS`).
     """
 
     name = "archiver"
@@ -307,7 +309,7 @@ class Archiver(Actor):
     def __init__(self, bus: Bus, db: Database, *, identity: CorpusIdentity | None, store: ArchiveStore,
                  signer: SignerKey | None, node_id: str, dsn: str | None = None, policy: SealPolicy | None = None,
                  sweep_interval: float = 5.0, standby_interval: float = DEFAULT_STANDBY_INTERVAL,
-                 parent_lineage: uuid.UUID | None = None) -> None:
+                 parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS) -> None:
         super().__init__()
         self.bus = bus
         self.db = db
@@ -320,6 +322,7 @@ class Archiver(Actor):
         self.sweep_interval = sweep_interval
         self.standby_interval = standby_interval
         self.parent_lineage = parent_lineage
+        self.batch_segments = batch_segments
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
         #: True while this instance holds the lock and archives.
         self.active = False
@@ -540,7 +543,7 @@ class Archiver(Actor):
         previous = _row(last) if last is not None else None
         after = previous.last if previous is not None else 0
         policy = self.policy
-        limit, budget = policy.events * BATCH_SEGMENTS, policy.bytes * BATCH_SEGMENT_BYTES
+        limit, budget = policy.events * self.batch_segments, policy.bytes * BATCH_SEGMENT_BYTES
         sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget)
         if not sequences:
             return []

@@ -273,22 +273,39 @@ class CompactTree:
         self.size += 1
 
     def extend(self, hashes: Iterable[bytes]) -> None:
-        """Append many leaves given their leaf hashes (what :meth:`append_hash` does, in one loop)."""
+        """Append many leaves given their leaf hashes (what :meth:`append_hash` does for each).
+
+        Level by level rather than leaf by leaf: at each height the new nodes are paired in one
+        list comprehension, a frontier node of that height first when the tree so far ends in the
+        middle of a pair, and an unpaired last node becomes the new frontier node of that height.
+        """
         frontier = self.frontier
         assert frontier is not None
-        size = self.size
-        sha256, pop, push = hashlib.sha256, frontier.pop, frontier.append
-        for h in hashes:
-            if len(h) != HASH_SIZE:
-                self.size = size
-                raise MerkleError("leaf hashes must be 32 bytes")
-            carry = size
-            while carry & 1:
-                h = sha256(NODE_PREFIX + pop() + h).digest()
-                carry >>= 1
-            push(h)
-            size += 1
-        self.size = size
+        level = list(hashes)
+        if any(len(h) != HASH_SIZE for h in level):
+            raise MerkleError("leaf hashes must be 32 bytes")
+        if not level:
+            return
+        old, new_size = self.size, self.size + len(level)
+        # Frontier nodes by height: the set bits of the old size, smallest (rightmost) last.
+        heights = [h for h in range(old.bit_length()) if old >> h & 1]
+        kept: dict[int, bytes] = dict(zip(heights, reversed(frontier), strict=True))
+        sha256 = hashlib.sha256
+        position, height = old, 0
+        while level:
+            if position & 1:
+                # The tree so far ends with a lone node at this height: it is the left of a pair.
+                level.insert(0, kept.pop(height))
+                position -= 1
+            if len(level) & 1:
+                kept[height] = level.pop()
+            level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+            position >>= 1
+            height += 1
+        # What remains: the old frontier above the heights reached, and the new lone nodes.
+        self.frontier = [kept[h] for h in sorted(kept, reverse=True)]
+        self.size = new_size
+        assert len(self.frontier) == new_size.bit_count()
 
     def root(self) -> bytes:
         """MTH of the leaves appended so far (EMPTY_ROOT for none)."""

@@ -13,18 +13,18 @@ import pytest
 from actors.archiver import SealPolicy
 from actors.web.archive import ARCHIVE_STORE
 from protocol.archive import Stream, decode_segment
-from protocol.checkpoint import parse_verifier_key, verify_checkpoint
+from protocol.checkpoint import SignerKey, parse_verifier_key, verify_checkpoint
 from protocol.merkle import verify_inclusion
 from tests.corpus_fixtures import Stack
 from tests.test_archiver import archiving, local, published, segments, signer_for, until, write_messages
 
 
-async def archived(stack: Stack, tmp_path: Path, messages: int = 5) -> list[int]:
+async def archived(stack: Stack, tmp_path: Path, messages: int = 5, signer: SignerKey | None = None) -> list[int]:
     """Write ``messages`` changes and archive them in segments of 2 (the odd last one stays out)."""
     store = local(tmp_path)
     stack.client.app[ARCHIVE_STORE]["store"] = store  # the web node reads the archiver's store
     sequences = await write_messages(stack, messages)
-    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer_for(stack)):
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer or signer_for(stack)):
         await published(stack, messages // 2)
     return sequences
 
@@ -83,7 +83,12 @@ async def test_a_tampered_segment_is_not_served(stack: Stack, tmp_path: Path) ->
 
 
 async def test_inclusion_proofs_verify_against_the_signed_root(stack: Stack, tmp_path: Path) -> None:
-    sequences = await archived(stack, tmp_path, messages=9)
+    # Two catch-ups, so that two checkpoints exist (4 and 8): a batch publishes one checkpoint.
+    signer = signer_for(stack)
+    sequences = await archived(stack, tmp_path, messages=5, signer=signer)
+    sequences += await write_messages(stack, 4)
+    async with archiving(stack, local(tmp_path), SealPolicy(events=2, seconds=3600), signer=signer):
+        await published(stack, 4)
     status = await (await stack.client.get("/corpus/archive")).json()
     checkpoint = verify_checkpoint(status["checkpoint"], parse_verifier_key(status["public_key"]))
     for position, sequence in enumerate(sequences[:8]):
