@@ -99,10 +99,10 @@ def test_a_version_1_segment_still_decodes_and_change_bodies_follow_the_version(
 
 def test_the_read_back_check_walks_frames_and_compares_the_hash() -> None:
     """check_read_back: the written hash, the link and identity, and every frame's CRC."""
-    events, data = _sample(3, index=1, previous=b"\x22" * 32)
+    _, data = _sample(3, index=1, previous=b"\x22" * 32)
     good = decode_segment(data)
-    expect = dict(expected_hash=good.hash, expected_previous_hash=b"\x22" * 32, expected_lineage=LINEAGE,
-                  expected_index=1, expected_stream=Stream.PUBLIC)
+    expect = {"expected_hash": good.hash, "expected_previous_hash": b"\x22" * 32, "expected_lineage": LINEAGE,
+              "expected_index": 1, "expected_stream": Stream.PUBLIC}
     assert fmt.check_read_back(data, **expect).event_count == 0  # type: ignore[arg-type]
     broken = bytearray(data)
     broken[88 + 12 + 3] ^= 0x04
