@@ -11,25 +11,36 @@ agent register entries, :mod:`protocol.archive_private`):
 1. **Capture** (private stream only): agents and answered operation records that changed are marked
    pending by triggers (migration 0007); the active archiver turns them into immutable
    ``archive_private_records`` rows with the next private sequence.
-2. **Seal**: the events after the last segment are sealed into a new segment at
-   ``policy.events`` events, when the next event would take it past ``policy.bytes`` bytes, or
-   ``policy.seconds`` after its first event. Only committed events are ever read, and the writer
-   assigns sequences in commit order under its sequence lock (:mod:`actors.writer.store`), so every
-   sequence below a visible one is already visible: the visible history is the safe watermark, the
-   same rule the publisher and every ``after=`` reader rely on (private sequences are assigned by
-   the archiver alone, under its lock). The decision (index, range, count, previous hash) is
-   recorded in ``archive_segments`` *before* encoding, so an archiver restarted at any point
-   encodes the same bytes again.
-3. **Write**: encode (:func:`protocol.archive.encode_segment`) and put create-only; an existing
-   identical object counts as written, a different one is a :class:`~infra.archive_store.ForkAlarm`
-   that stops the archiver loudly: it crashes, and every restart the supervisor makes (with its
-   growing back-off) meets the same object and reports it again, until an operator acts. The row moves to ``written`` with size, hash, root and the Merkle
-   frontier after it.
-4. **Verify**: read the object back, decode it completely against the expected link, lineage, index
-   and stream, and compare its hash with the row's: only then ``verified``.
+Steps 2 to 5 go a **batch** at a time: up to :data:`BATCH_SEGMENTS` segments (and
+:data:`BATCH_SEGMENT_BYTES` segments' worth of bytes) read in one query, sealed and encoded in one
+pass, each state change recorded for the whole batch in one statement, one checkpoint and one
+manifest for the batch. Caught up, a batch is the one segment that just sealed, so it is published
+at once; behind, the checkpoints are fewer (each still extends the last).
+
+2. **Seal**: the events after the last segment are cut into segments at ``policy.events`` events,
+   when the next event would take one past ``policy.bytes`` bytes, or ``policy.seconds`` after its
+   first event (only for the batch's open tail, and only when no rows may follow it). Only
+   committed events are ever read, and the writer assigns sequences in commit order under its
+   sequence lock (:mod:`actors.writer.store`), so every sequence below a visible one is already
+   visible: the visible history is the safe watermark, the same rule the publisher and every
+   ``after=`` reader rely on (private sequences are assigned by the archiver alone, under its
+   lock). The decisions (index, range, count, tree size, previous hash) are recorded in
+   ``archive_segments`` *before* anything is put, so an archiver restarted at any point encodes
+   the same bytes again (:meth:`Archiver._reencode`).
+3. **Write**: put create-only (:data:`STORE_CONCURRENCY` at once); an existing identical object
+   counts as written, a different one is a :class:`~infra.archive_store.ForkAlarm` that stops the
+   archiver loudly: it crashes, and every restart the supervisor makes (with its growing back-off)
+   meets the same object and reports it again, until an operator acts. The rows move to
+   ``written`` with size, hash, root and the Merkle frontier after each.
+4. **Verify**: read each object back; walk its frames and CRC32Cs, check link, lineage, index and
+   stream, recompute its SHA-256 and compare it with the row's
+   (:func:`protocol.archive.check_read_back`): only then ``verified``.
 5. **Publish**: sign a checkpoint of the stream's tree (``checkpoints/<size>``, kept for ever;
    private: ``private/checkpoints/<size>``, with the extension line ``private``), put the public key
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
+
+While behind, the next batch's rows are read ahead on a pool connection, and encoding and the
+read-back check run in a worker thread (SHA-256 over whole segments releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
@@ -37,7 +48,8 @@ activation it probes the store and refuses (crashes with :class:`~infra.archive_
 one that ignores create-only writes. A store that is unreachable is retried with a back-off; nothing
 is marked verified without a successful read-back, and sealing stops until the backlog drains.
 
-Memory: one segment's events at a time (at most ``policy.bytes`` plus one event), plus the manifest.
+Memory: two batches' rows and bytes at most (the current one and the one read ahead; each at most
+``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event, encoded once more), plus the manifest.
 
 Emits: archive objects and the manifest; the watermarks in ``archive_watermarks``.
 """
@@ -47,12 +59,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-import orjson
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
@@ -72,18 +84,19 @@ from infra.db.pool import Target
 from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
 from protocol.archive import (
+    FORMAT_VERSION,
     FRAME_OVERHEAD,
     GENESIS_HASH,
     HASH_SIZE,
     HEADER_SIZE,
     TRAILER_SIZE,
-    ArchivedEvent,
     ArchiveFormatError,
+    SegmentBody,
     Stream,
+    chain_segments,
+    check_read_back,
     checkpoint_key,
-    decode_segment,
-    encode_segment,
-    event_body,
+    encode_body,
     manifest_key,
     private_checkpoint_key,
     public_key_key,
@@ -104,12 +117,26 @@ WAKE_QUEUE_LENGTH = 100
 DEFAULT_STANDBY_INTERVAL = 1.0
 #: Back-off after a store failure: doubles from the first value up to the second.
 STORE_BACKOFF = (0.5, 10.0)
+#: Segments sealed, written, verified and published together at most by default (a batch: when the
+#: archiver is behind, one checkpoint and one manifest per batch instead of per segment;
+#: ``TOASTMACHINE_ARCHIVE_BATCH_SEGMENTS``).
+BATCH_SEGMENTS = 32
+#: Event bytes read per batch at most, in segments of ``policy.bytes`` (16 MiB by default).
+BATCH_SEGMENT_BYTES = 4
+#: Store requests in flight at once within a batch.
+STORE_CONCURRENCY = 8
 #: Pending private records captured per transaction.
 CAPTURE_BATCH = 500
 #: Seconds between two counts of the archive's lag.
 MEASURE_INTERVAL = 1.0
+#: Lag counted row by row up to this many sequences; above it, the sequence difference (counting
+#: sequences of rolled-back writes too) stands in, as counting costs a scan of that many rows.
+EXACT_LAG = 10_000
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
+
+
+T = TypeVar("T")
 
 
 class ArchiverError(ToastMachineError):
@@ -173,21 +200,36 @@ def _row(r: Any) -> _Row:
                 None if r["frontier"] is None else bytes(r["frontier"]))
 
 
-# Candidates for the next segment: at most $2 rows after $1, no more than fit in $3 bytes of text
-# plus the one that crosses the line (so the caller knows whether the size rule sealed it).
-_PUBLIC_CANDIDATES = (
-    "select sequence, event as body, extract(epoch from now() - occurred_at)::float8 as age from ("
-    "  select sequence, event, occurred_at, sum(octet_length(event)) over (order by sequence) - octet_length(event)"
-    "  as before from (select sequence, event, occurred_at from changes where sequence > $1 order by sequence"
-    "  limit $2) as page) as sized where before < $3 order by sequence")
-_PRIVATE_CANDIDATES = (
-    "select sequence, body, extract(epoch from now() - captured_at)::float8 as age from ("
-    "  select sequence, body, captured_at, sum(octet_length(body)) over (order by sequence) - octet_length(body)"
-    "  as before from (select sequence, body, captured_at from archive_private_records where sequence > $1"
+# One catch-up batch of a stream: at most $2 rows after $1, no more than fit in $3 bytes plus the
+# row that crosses the line (so the caller can tell whether the size rule cut a segment, and
+# whether rows may follow the batch). Public bodies come as bytes through textsend(), the text's
+# UTF-8 (the connection's encoding): measured, cheaper than text decoded to str and encoded again,
+# than convert_to(), and than parsing COPY's text output.
+_PUBLIC_BATCH = (
+    "select sequence, body from ("
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  from (select sequence, textsend(event) as body from changes where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
-_PUBLIC_RANGE = "select sequence, event as body from changes where sequence between $1 and $2 order by sequence"
+_PRIVATE_BATCH = (
+    "select sequence, body from ("
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  from (select sequence, body from archive_private_records where sequence > $1"
+    "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
+_PUBLIC_RANGE = ("select sequence, textsend(event) as body from changes where sequence between $1 and $2 "
+                 "order by sequence")
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
+async def _read_batch(conn: Any, stream: Stream, after: int, limit: int, budget: int) -> tuple[list[int], list[bytes]]:
+    """The sequences and bodies of the batch after ``after`` (see ``_PUBLIC_BATCH``)."""
+    rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+# Seconds since the first event after $1 (the start of the open segment), or no row.
+_PUBLIC_AGE = ("select extract(epoch from now() - occurred_at)::float8 from changes where sequence > $1 "
+               "order by sequence limit 1")
+_PRIVATE_AGE = ("select extract(epoch from now() - captured_at)::float8 from archive_private_records "
+                "where sequence > $1 order by sequence limit 1")
 
 _TAKE_PENDING = (
     "delete from archive_private_pending where (kind, agent_id, operation, token) in ("
@@ -201,16 +243,47 @@ _READ_OPERATIONS = (
     "on o.author_id = k.author_id and o.operation = k.operation and o.token = k.token where o.status is not null")
 
 
-def _body(stream: Stream, raw: Any) -> bytes:
-    """The archived bytes of one candidate row: the canonical envelope, or the stored record."""
-    if stream is Stream.PUBLIC:
-        return event_body(orjson.loads(raw))
-    return bytes(raw)
-
-
 def segment_size(bodies: Iterable[bytes]) -> int:
     """The encoded size of a segment holding ``bodies``."""
     return HEADER_SIZE + TRAILER_SIZE + sum(FRAME_OVERHEAD + len(b) for b in bodies)
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A sealed segment's bytes, before they are put: the row as recorded, and the row it becomes."""
+
+    sealed: _Row
+    data: bytes
+    #: The stream's tree after this segment, as the row's ``frontier`` column holds it.
+    frontier: bytes
+
+    @property
+    def written(self) -> _Row:
+        return dataclasses.replace(self.sealed, state="written", size=len(self.data), hash=self.data[-HASH_SIZE:],
+                                   frontier=self.frontier)
+
+    @property
+    def root(self) -> bytes:
+        return self.data[-2 * HASH_SIZE:-HASH_SIZE]
+
+
+async def _store_all(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run store calls, :data:`STORE_CONCURRENCY` at a time, and wait for all of them.
+
+    Every call finishes before any failure is raised (none is left running on its own); a fork
+    alarm outranks other errors, since it must stop the archiver whatever else failed.
+    """
+    semaphore = asyncio.Semaphore(STORE_CONCURRENCY)
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
+        async with semaphore:
+            return await call()
+
+    results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise next((e for e in errors if isinstance(e, ForkAlarm)), errors[0])
+    return cast("list[T]", results)
 
 
 class Archiver(Actor):
@@ -229,6 +302,7 @@ class Archiver(Actor):
         sweep_interval: seconds between sweeps when no wake-up arrives.
         standby_interval: seconds between a standby's attempts to take the lock.
         parent_lineage: the lineage a restore started from, listed in the manifest (None: original).
+        batch_segments: segments handled together at most (see :data:`BATCH_SEGMENTS`).
     """
 
     name = "archiver"
@@ -236,7 +310,7 @@ class Archiver(Actor):
     def __init__(self, bus: Bus, db: Database, *, identity: CorpusIdentity | None, store: ArchiveStore,
                  signer: SignerKey | None, node_id: str, dsn: str | None = None, policy: SealPolicy | None = None,
                  sweep_interval: float = 5.0, standby_interval: float = DEFAULT_STANDBY_INTERVAL,
-                 parent_lineage: uuid.UUID | None = None) -> None:
+                 parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS) -> None:
         super().__init__()
         self.bus = bus
         self.db = db
@@ -249,6 +323,7 @@ class Archiver(Actor):
         self.sweep_interval = sweep_interval
         self.standby_interval = standby_interval
         self.parent_lineage = parent_lineage
+        self.batch_segments = batch_segments
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
         #: True while this instance holds the lock and archives.
         self.active = False
@@ -266,6 +341,8 @@ class Archiver(Actor):
         self._consumer: Consumer | None = None
         self._probed = False
         self._progress = asyncio.Event()
+        #: Per stream: the batch being read ahead, as (the sequence it starts after, its task).
+        self._prefetch: dict[Stream, tuple[int, asyncio.Future[tuple[list[int], list[bytes]]]]] = {}
 
     # --- observing ---------------------------------------------------------------------------
 
@@ -305,6 +382,7 @@ class Archiver(Actor):
                 await self._consumer.cancel()
 
     async def close(self) -> None:
+        self._drop_prefetches()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)
@@ -325,6 +403,7 @@ class Archiver(Actor):
 
     def _inactive(self) -> None:
         self.active = False
+        self._drop_prefetches()
 
     async def _archive_while_active(self, session: LockSession) -> None:
         self.active = True
@@ -348,7 +427,7 @@ class Archiver(Actor):
                 for stream in (Stream.PUBLIC, Stream.PRIVATE):
                     busy |= await guarded(session, self._round(session, stream))
                 if loop.time() >= next_measure:
-                    # Counting the lag costs a scan of up to 100,000 index entries: once a second is plenty.
+                    # Counting the lag costs a scan of up to EXACT_LAG rows: once a second is plenty.
                     await guarded(session, self._measure(session))
                     next_measure = loop.time() + MEASURE_INTERVAL
             except (ForkAlarm, CreateOnlyIgnored):
@@ -384,23 +463,34 @@ class Archiver(Actor):
         return self.signer
 
     async def _round(self, session: LockSession, stream: Stream) -> bool:
-        """Move ``stream`` one step on; True when there may be more to do at once."""
+        """Move ``stream`` one batch on; True when there may be more to do at once."""
         conn = session.conn
         if stream is Stream.PRIVATE:
             await self._capture(conn)
-        unfinished = await conn.fetch(
+        unfinished = [_row(r) for r in await conn.fetch(
             f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 and state <> 'published' "
-            "order by segment_index", int(stream))
+            "order by segment_index", int(stream))]
         if unfinished:
-            rows = [_row(r) for r in unfinished]
-            for row in rows:
-                if row.state == "sealed":
-                    row = await self._write(conn, row)
-                if row.state == "written":
-                    row = await self._verify(conn, row)
+            # A batch that an earlier round (this instance's, or a predecessor's) left half done:
+            # carry on from the recorded states. Sealed ranges are encoded again from the database:
+            # the range and the link are recorded, so the bytes are the same.
+            sealed = [r for r in unfinished if r.state == "sealed"]
+            written = [r for r in unfinished if r.state == "written"]
+            if sealed:
+                encoded = await self._reencode(conn, sealed)
+                await self._write(conn, encoded)
+                written += [e.written for e in encoded]
+            if written:
+                await self._verify(conn, written)
             await self._publish(conn, stream)
             return True
-        return await self._seal(conn, stream)
+        batch = await self._seal(conn, stream)
+        if not batch:
+            return False
+        await self._write(conn, batch)
+        await self._verify(conn, [e.written for e in batch])
+        await self._publish(conn, stream)
+        return True
 
     # --- private capture ---------------------------------------------------------------------
 
@@ -439,123 +529,240 @@ class Archiver(Actor):
 
     # --- seal --------------------------------------------------------------------------------
 
-    async def _seal(self, conn: Any, stream: Stream) -> bool:
-        """Record the next segment of ``stream`` if a rule says so; True when one was sealed."""
+    async def _seal(self, conn: Any, stream: Stream) -> list[_Encoded]:
+        """Seal the segments the rules allow after the last one, at most one batch; their bytes.
+
+        One query reads the batch's rows, which are cut into segments and encoded in the same pass;
+        the decisions (index, range, count, tree size, previous hash) are recorded in one statement
+        before anything is put to the store. Encoding before recording changes nothing a restart
+        could see: the bytes are a function of the recorded decision, and :meth:`_reencode` makes
+        them again from it.
+        """
         last = await conn.fetchrow(
             f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
             int(stream))
         previous = _row(last) if last is not None else None
         after = previous.last if previous is not None else 0
-        query = _PUBLIC_CANDIDATES if stream is Stream.PUBLIC else _PRIVATE_CANDIDATES
-        rows = await conn.fetch(query, after, self.policy.events, self.policy.bytes)
-        if not rows:
-            return False
-        bodies = [_body(stream, r["body"]) for r in rows]
-        take, size = 0, HEADER_SIZE + TRAILER_SIZE
-        for body in bodies:
+        policy = self.policy
+        limit, budget = policy.events * self.batch_segments, policy.bytes * BATCH_SEGMENT_BYTES
+        sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget)
+        if not sequences:
+            return []
+        # Rows may follow the batch: its open tail could still fill up, so it is left for later.
+        truncated = len(sequences) == limit or sum(map(len, bodies)) >= budget
+        cuts: list[tuple[int, int, str]] = []
+        start, size = 0, HEADER_SIZE + TRAILER_SIZE
+        for i, body in enumerate(bodies):
             grown = size + FRAME_OVERHEAD + len(body)
-            if take and grown > self.policy.bytes:
-                break
-            take, size = take + 1, grown
-        rule = ("bytes" if take < len(bodies) else "events" if take == self.policy.events
-                else "age" if rows[0]["age"] >= self.policy.seconds else None)
-        if rule is None:
-            return False
+            if i > start and grown > policy.bytes:
+                cuts.append((start, i, "bytes"))
+                start, grown = i, HEADER_SIZE + TRAILER_SIZE + FRAME_OVERHEAD + len(body)
+            size = grown
+            if i + 1 - start == policy.events:
+                cuts.append((start, i + 1, "events"))
+                start, size = i + 1, HEADER_SIZE + TRAILER_SIZE
+        if start < len(sequences) and not truncated:
+            age = await conn.fetchval(_PUBLIC_AGE if stream is Stream.PUBLIC else _PRIVATE_AGE,
+                                      sequences[start - 1] if start else after)
+            if age is not None and age >= policy.seconds:
+                cuts.append((start, len(sequences), "age"))
+        if not cuts:
+            return []
+        if truncated:
+            # Behind: read the next batch while this one is encoded, put and read back.
+            self._prefetch_rows(stream, sequences[cuts[-1][1] - 1], limit, budget)
+        tree = previous.tree() if previous is not None else CompactTree()
         index = previous.index + 1 if previous is not None else 0
         previous_hash = previous.hash if previous is not None else GENESIS_HASH
         assert previous_hash is not None  # the previous segment is published, hence encoded
-        tree_size = (previous.tree_size if previous is not None else 0) + take
+        batch = await self._encode(stream, index, previous_hash, [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts],
+                                   tree)
+        rows_ = [e.sealed for e in batch]
         await conn.execute(
-            "insert into archive_segments (stream, segment_index, first_sequence, last_sequence, event_count, "
-            "tree_size, previous_hash) values ($1, $2, $3, $4, $5, $6, $7)",
-            int(stream), index, rows[0]["sequence"], rows[take - 1]["sequence"], take, tree_size, previous_hash)
-        self.log.info("archiver.sealed", stream=stream.name.lower(), index=index, first=rows[0]["sequence"],
-                      last=rows[take - 1]["sequence"], events=take, rule=rule)
-        return True
+            "insert into archive_segments (stream, format_version, segment_index, first_sequence, last_sequence, "
+            "event_count, tree_size, previous_hash) select $1::smallint, $8::smallint, * from unnest($2::bigint[], "
+            "$3::bigint[], $4::bigint[], $5::integer[], $6::bigint[], $7::bytea[])",
+            int(stream), [r.index for r in rows_], [r.first for r in rows_], [r.last for r in rows_],
+            [r.count for r in rows_], [r.tree_size for r in rows_], [r.previous_hash for r in rows_],
+            FORMAT_VERSION)
+        self.log.info("archiver.sealed", stream=stream.name.lower(), index=rows_[0].index, segments=len(rows_),
+                      first=rows_[0].first, last=rows_[-1].last, events=sum(r.count for r in rows_),
+                      rules=sorted({rule for _, _, rule in cuts}))
+        return batch
 
     async def _next_deadline(self, session: LockSession) -> float:
         """Seconds until the oldest unarchived event of either stream turns ``policy.seconds`` old."""
         wait = self.sweep_interval
-        for stream, query in ((Stream.PUBLIC, _PUBLIC_CANDIDATES), (Stream.PRIVATE, _PRIVATE_CANDIDATES)):
+        for stream, query in ((Stream.PUBLIC, _PUBLIC_AGE), (Stream.PRIVATE, _PRIVATE_AGE)):
             after = await session.conn.fetchval(
                 "select coalesce(max(last_sequence), 0) from archive_segments where stream = $1", int(stream))
-            row = await session.conn.fetchrow(query, after, 1, 1)
-            if row is not None:
-                wait = min(wait, max(0.0, self.policy.seconds - row["age"]) + 0.01)
+            age = await session.conn.fetchval(query, after)
+            if age is not None:
+                wait = min(wait, max(0.0, self.policy.seconds - age) + 0.01)
         return wait
 
-    # --- write, verify -----------------------------------------------------------------------
+    # --- encode, write, verify ---------------------------------------------------------------
 
-    async def _encode(self, conn: Any, row: _Row) -> tuple[bytes, CompactTree]:
-        """The bytes of ``row``'s segment and the stream's tree after it."""
-        query = _PUBLIC_RANGE if row.stream is Stream.PUBLIC else _PRIVATE_RANGE
-        records = await conn.fetch(query, row.first, row.last)
-        events = [ArchivedEvent(r["sequence"], _body(row.stream, r["body"])) for r in records]
-        if len(events) != row.count:
-            raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed with {row.count} events "
-                                f"in {row.first}..{row.last}, the history now holds {len(events)} there")
-        if row.index == 0:
+    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int,
+                          budget: int) -> tuple[list[int], list[bytes]]:
+        """The batch after ``after``: the prefetched one when it is that, else read now."""
+        prefetch = self._prefetch.pop(stream, None)
+        if prefetch is not None:
+            prefetched_after, task = prefetch
+            if prefetched_after == after:
+                with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
+                    return await task
+            task.cancel()
+        return await _read_batch(conn, stream, after, limit, budget)
+
+    def _prefetch_rows(self, stream: Stream, after: int, limit: int, budget: int) -> None:
+        """Start reading the batch after ``after`` on a pool connection (the history is committed and
+        immutable: reading it needs no lock; what is sealed from it is decided under the lock)."""
+        async def read() -> tuple[list[int], list[bytes]]:
+            async with self.db.pool.acquire() as conn:
+                return await _read_batch(conn, stream, after, limit, budget)
+
+        old = self._prefetch.pop(stream, None)
+        if old is not None:
+            old[1].cancel()
+        self._prefetch[stream] = (after, asyncio.ensure_future(read()))
+
+    def _drop_prefetches(self) -> None:
+        for _after, task in self._prefetch.values():
+            task.cancel()
+        self._prefetch.clear()
+
+    async def _encode(self, stream: Stream, index: int, previous_hash: bytes,
+                      segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
+        """Consecutive segments' bytes from their (sequences, bodies), as sealed rows; ``tree`` is
+        extended with their leaves.
+
+        All of it runs in a thread: SHA-256 over whole segments releases the GIL, and the rest
+        fills the event loop's waits (the next batch's rows arriving, store calls completing).
+        """
+        return await asyncio.to_thread(self._encode_now, stream, index, previous_hash, segments, tree)
+
+    def _encode_now(self, stream: Stream, index: int, previous_hash: bytes,
+                    segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
+        pieces: list[SegmentBody] = []
+        rows: list[_Row] = []
+        frontiers: list[bytes] = []
+        for i, (sequences, bodies) in enumerate(segments):
+            body, leaves = encode_body(sequences, bodies)
+            tree.extend(leaves)
+            assert tree.frontier is not None
+            pieces.append(SegmentBody(sequences[0], sequences[-1], len(sequences), body))
+            rows.append(_Row(stream, index + i, sequences[0], sequences[-1], len(sequences), tree.size,
+                             b"", "sealed", None, None, None))
+            frontiers.append(b"".join(tree.frontier))
+        datas = chain_segments(stream, self._lineage, index, previous_hash, pieces)
+        links = [previous_hash] + [d[-HASH_SIZE:] for d in datas[:-1]]
+        return [_Encoded(dataclasses.replace(row, previous_hash=link), data, frontier)
+                for row, link, data, frontier in zip(rows, links, datas, frontiers)]
+
+    async def _reencode(self, conn: Any, rows: list[_Row]) -> list[_Encoded]:
+        """The bytes of consecutive recorded segments, encoded again from the history (one query)."""
+        first = rows[0]
+        if first.index == 0:
             tree = CompactTree()
         else:
             prior = await conn.fetchrow(f"select {_SEGMENT_COLUMNS} from archive_segments "
-                                        "where stream = $1 and segment_index = $2", int(row.stream), row.index - 1)
+                                        "where stream = $1 and segment_index = $2", int(first.stream), first.index - 1)
             tree = _row(prior).tree()
-        for e in events:
-            tree.append_hash(e.leaf_hash)
-        if tree.size != row.tree_size:
-            raise ArchiverError(f"{row.stream.name.lower()} segment {row.index}: tree size {tree.size}, "
-                                f"recorded {row.tree_size}")
-        return encode_segment(row.stream, self._lineage, row.index, row.previous_hash, events), tree
+        records = await conn.fetch(_PUBLIC_RANGE if first.stream is Stream.PUBLIC else _PRIVATE_RANGE,
+                                   first.first, rows[-1].last)
+        segments: list[tuple[list[int], list[bytes]]] = []
+        position = 0
+        for row in rows:
+            start = position
+            while position < len(records) and records[position][0] <= row.last:
+                position += 1
+            chunk = records[start:position]
+            if len(chunk) != row.count or (chunk and chunk[0][0] < row.first):
+                raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed with {row.count} "
+                                    f"events in {row.first}..{row.last}, the history now holds {len(chunk)} there "
+                                    "(or before it)")
+            segments.append(([r[0] for r in chunk], [r[1] for r in chunk]))
+        out = await self._encode(first.stream, first.index, first.previous_hash, segments, tree)
+        for row, again in zip(rows, out):
+            if (again.sealed.previous_hash, again.sealed.tree_size) != (row.previous_hash, row.tree_size):
+                raise ArchiverError(f"{row.stream.name.lower()} segment {row.index} was sealed linking to "
+                                    f"{row.previous_hash.hex()} at tree size {row.tree_size}; encoded again it "
+                                    f"links to {again.sealed.previous_hash.hex()} at {again.sealed.tree_size}")
+        return [dataclasses.replace(e, sealed=row) for row, e in zip(rows, out)]
 
     def _key(self, row: _Row) -> str:
         return segment_key(self._lineage, row.index, row.first, row.last, row.stream)
 
-    async def _write(self, conn: Any, row: _Row) -> _Row:
-        data, tree = await self._encode(conn, row)
-        outcome = await self.store.put(self._key(row), data)
-        self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
-        assert tree.frontier is not None
-        digest, root = data[-HASH_SIZE:], data[-2 * HASH_SIZE:-HASH_SIZE]
+    async def _write(self, conn: Any, batch: list[_Encoded]) -> None:
+        """Put a batch's segments (create-only, a few at a time), then record them written at once."""
+        outcomes = await _store_all([functools.partial(self.store.put, self._key(e.sealed), e.data) for e in batch])
+        for outcome in outcomes:
+            self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
+        stream = batch[0].sealed.stream
         async with conn.transaction():
             await conn.execute(
-                "update archive_segments set state = 'written', size = $3, hash = $4, merkle_root = $5, "
-                "frontier = $6, written_at = now() where stream = $1 and segment_index = $2 and state = 'sealed'",
-                int(row.stream), row.index, len(data), digest, root, b"".join(tree.frontier))
+                "update archive_segments as s set state = 'written', size = u.size, hash = u.hash, "
+                "merkle_root = u.root, frontier = u.frontier, written_at = now() "
+                "from unnest($2::bigint[], $3::integer[], $4::bytea[], $5::bytea[], $6::bytea[]) "
+                "as u(segment_index, size, hash, root, frontier) "
+                "where s.stream = $1 and s.segment_index = u.segment_index and s.state = 'sealed'",
+                int(stream), [e.sealed.index for e in batch], [len(e.data) for e in batch],
+                [e.data[-HASH_SIZE:] for e in batch], [e.root for e in batch], [e.frontier for e in batch])
             await conn.execute("update archive_watermarks set archived_through = greatest(archived_through, $2), "
-                               "updated_at = now() where stream = $1", int(row.stream), row.last)
-        self.log.info("archiver.written", stream=row.stream.name.lower(), index=row.index, size=len(data),
-                      outcome=outcome.name.lower())
+                               "updated_at = now() where stream = $1", int(stream), batch[-1].sealed.last)
+        self.log.info("archiver.written", stream=stream.name.lower(), index=batch[0].sealed.index,
+                      segments=len(batch), size=sum(len(e.data) for e in batch),
+                      outcomes=sorted({o.name.lower() for o in outcomes}))
         self._progressed()
-        return _row(await conn.fetchrow(f"select {_SEGMENT_COLUMNS} from archive_segments "
-                                        "where stream = $1 and segment_index = $2", int(row.stream), row.index))
 
-    async def _verify(self, conn: Any, row: _Row) -> _Row:
-        key = self._key(row)
+    async def _read_back(self, row: _Row) -> bytes | None:
+        """The stored bytes of ``row``'s segment, or None when the object is gone."""
         try:
-            data = await self.store.get(key)
+            return await self.store.get(self._key(row))
         except ObjectNotFound:
-            # Written once, gone now (an operator's mistake, a store that lost it): write it again.
-            self.log.error("archiver.segment_missing", key=key, detail="writing it again")
-            data, _tree = await self._encode(conn, row)
-            await self.store.put(key, data)
-            data = await self.store.get(key)
-        try:
-            decoded = decode_segment(data, expected_previous_hash=row.previous_hash, expected_lineage=self._lineage,
-                                     expected_index=row.index, expected_stream=row.stream)
-        except ArchiveFormatError as e:
-            raise ArchiverError(f"segment {key} read back from the store fails its check: {e.kind}: {e}") from e
-        if decoded.hash != row.hash or decoded.size != row.size:
-            raise ArchiverError(f"segment {key} read back from the store is not the one written")
+            return None
+
+    async def _verify(self, conn: Any, rows: list[_Row]) -> None:
+        """Read written segments back, check them, and only then record them verified (at once)."""
+        found = await _store_all([functools.partial(self._read_back, row) for row in rows])
+        datas: list[bytes] = []
+        for row, data in zip(rows, found):
+            if data is None:
+                # Written once, gone now (an operator's mistake, a store that lost it): write it again.
+                key = self._key(row)
+                self.log.error("archiver.segment_missing", key=key, detail="writing it again")
+                (encoded,) = await self._reencode(conn, [row])
+                await self.store.put(key, encoded.data)
+                data = await self.store.get(key)
+            datas.append(data)
+        # In a thread, like encoding: the frames walk fills the event loop's waits, and SHA-256 over
+        # whole segments releases the GIL.
+        await asyncio.to_thread(self._check_now, rows, datas)
+        stream, through = rows[0].stream, max(r.last for r in rows)
         async with conn.transaction():
             await conn.execute("update archive_segments set state = 'verified', verified_at = now() "
-                               "where stream = $1 and segment_index = $2 and state = 'written'",
-                               int(row.stream), row.index)
+                               "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written'",
+                               int(stream), [r.index for r in rows])
             await conn.execute("update archive_watermarks set verified_through = greatest(verified_through, $2), "
-                               "updated_at = now() where stream = $1", int(row.stream), row.last)
-        self.verified_through[row.stream] = row.last
-        self.log.info("archiver.verified", stream=row.stream.name.lower(), index=row.index)
+                               "updated_at = now() where stream = $1", int(stream), through)
+        self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
+        self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
         self._progressed()
-        return dataclasses.replace(row, state="verified")
+
+    def _check_now(self, rows: list[_Row], datas: list[bytes]) -> None:
+        """Check every segment read back against its row; ArchiverError naming the first that fails."""
+        for row, data in zip(rows, datas):
+            try:
+                assert row.hash is not None
+                checked = check_read_back(data, expected_hash=row.hash, expected_previous_hash=row.previous_hash,
+                                          expected_lineage=self._lineage, expected_index=row.index,
+                                          expected_stream=row.stream)
+            except ArchiveFormatError as e:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store fails its check: "
+                                    f"{e.kind}: {e}") from e
+            if checked.size != row.size:
+                raise ArchiverError(f"segment {self._key(row)} read back from the store is not the one written")
 
     # --- publish -----------------------------------------------------------------------------
 
@@ -597,8 +804,11 @@ class Archiver(Actor):
         verified = int(await session.conn.fetchval(
             "select verified_through from archive_watermarks where stream = 0"))
         self.verified_through[Stream.PUBLIC] = verified
-        self.lag_events = int(await session.conn.fetchval(
-            "select count(*) from (select 1 from changes where sequence > $1 limit 100000) as behind", verified))
+        behind = int(await session.conn.fetchval("select coalesce(max(sequence), 0) from changes")) - verified
+        if 0 < behind <= EXACT_LAG:
+            behind = int(await session.conn.fetchval(
+                "select count(*) from changes where sequence > $1", verified))
+        self.lag_events = max(0, behind)
 
     async def _pause(self, seconds: float, *events: asyncio.Event) -> None:
         await pause(seconds, self._stop_requested, *events)
@@ -616,7 +826,8 @@ class ArchiverCollector(SingleActiveCollector[Archiver]):
                 GaugeMetricFamily("toastmachine_archive_verified_through",
                                   "Highest change sequence in a verified archive segment."),
                 GaugeMetricFamily("toastmachine_archive_lag_events",
-                                  "Committed changes not yet in a verified archive segment (counted up to 100000)."))
+                                  "Committed changes not yet in a verified archive segment (counted exactly up to 10000; above, the "
+                                  "sequence difference)."))
 
     def fill(self, actor: Archiver, families: tuple[Family, ...]) -> None:
         active, verified, lag = families

@@ -12,29 +12,44 @@ Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s
   root, hash, link to the previous one), all leaves appended to one tree, the root compared with the
   signed checkpoint's.
 
-Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw. Not measured here yet: the archiver's
-lag under a sustained 200 writes/s (it needs the write path running beside it).
+- **lag**: the Procfile's processes (``web``, ``writer``, ``publisher``, ``archiver``; default
+  sealing rules) on a fresh database, RabbitMQ virtual host and data directory (its archive
+  directory included); ``--lag-agents`` agents post messages over HTTP on a fixed schedule of
+  ``--lag-rate`` writes/s for ``--lag-seconds`` seconds, a fresh Operation-Token each. Every second
+  the archiver's lag is sampled from the database: the head change sequence minus the public
+  stream's ``published_through`` (archived as the issue counts it: in the manifest, under a signed
+  checkpoint), in segments of 500 events. At 200 writes/s a segment fills in 2.5 s, so the open
+  segment alone accounts for up to one segment of lag.
 
-Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]``
-(the DSN is a server's maintenance database: a database of its own is created and dropped).
+Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
+
+Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
+[--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
+(the DSN is a server's maintenance database: databases of its own are created and dropped).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
+import math
+import os
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.archiver import Archiver, SealPolicy
+from bench.write import Agent, HttpSide, private_vhost, quiet_product_logs, scratch_database, stop_process
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
@@ -43,7 +58,15 @@ from protocol.archive import Stream, checkpoint_key, decode_segment, manifest_ke
 from protocol.checkpoint import generate_signer_key, parse_verifier_key, verify_checkpoint
 from protocol.manifest import decode_manifest
 from protocol.merkle import CompactTree
+from tests.procs import NodeProcess, clean_env, start
 from toastmachine.seed import seed_corpus
+
+#: Events per segment under the default sealing rules, the unit the lag is counted in.
+SEGMENT_EVENTS = SealPolicy().events
+#: Target of issue #11: the archiver's lag under the sustained write rate stays below this.
+TARGET_LAG_SEGMENTS = 2.0
+#: Writes in flight at most; a write the node has not answered by then counts as a miss.
+MAX_IN_FLIGHT = 1000
 
 
 async def raw_rate(dsn: str) -> tuple[int, float]:
@@ -84,7 +107,7 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int
     try:
         while int(await db.pool.fetchval(
                 "select coalesce(max(tree_size), 0) from archive_segments where stream = 0 and state = 'published'")) < full:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
     finally:
         await archiver.stop(grace=5)
@@ -104,19 +127,146 @@ async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: st
                              expected_previous_hash=previous, expected_lineage=lineage,
                              expected_index=entry.index, expected_stream=Stream.PUBLIC)
         previous = seg.hash
-        for event in seg.events:
-            tree.append_hash(event.leaf_hash)
+        tree.extend(seg.leaf_hashes)
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, tree.size)),
                                    parse_verifier_key(verifier_text))
     assert checkpoint.root == tree.root(), "the recomputed root differs from the checkpoint's"
     return tree.size, time.perf_counter() - started
 
 
+@dataclass(slots=True)
+class LagRun:
+    """What the lag phase saw."""
+
+    seconds: float = 0.0
+    scheduled: int = 0
+    accepted: int = 0
+    failed: int = 0
+    samples: list[float] = field(default_factory=list)  # lag in segments, one a second
+    published_segments: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` percentile (0 < q <= 1) of ``values``."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def lag_under_load(server_dsn: str, amqp_url: str, rate: float, seconds: float, agents: int) -> LagRun:
+    """The archiver's lag behind the head while the Procfile's node takes ``rate`` writes/s."""
+    tag = uuid.uuid4().hex[:8]
+    run = LagRun()
+    with tempfile.TemporaryDirectory(prefix="tm-bench-archive-") as data_dir:
+        async with private_vhost(amqp_url, "private", f"tm_bench_archive_{tag}") as vhost_url, \
+                scratch_database(server_dsn, f"tm_bench_archive_lag_{tag}") as dsn:
+            env = clean_env(TOASTMACHINE_AMQP_URL=vhost_url, TOASTMACHINE_DATABASE_URL=dsn,
+                            TOASTMACHINE_DATA_DIR=data_dir, TOASTMACHINE_PORT="0",
+                            # Admission out of the way: the schedule sets the rate.
+                            TOASTMACHINE_WRITES_PER_SECOND="1000000", TOASTMACHINE_REGISTER_PER_MINUTE="1000000")
+            started: list[NodeProcess] = []
+            try:
+                for name in (("web",), ("run", "writer"), ("run", "publisher"), ("run", "archiver")):
+                    started.append(await start(*name, env=env))
+                web = started[0]
+                await asyncio.gather(web.wait_listening(60), *(
+                    p.wait_for_line(rf"ToastMachine running {n}", 60)
+                    for p, n in zip(started[1:], ("writer", "publisher", "archiver"), strict=True)))
+                await started[3].wait_for_line(r"archiver\.active", 60)
+                assert web.url is not None
+                connector = aiohttp.TCPConnector(limit=MAX_IN_FLIGHT)
+                async with aiohttp.ClientSession(connector=connector,
+                                                 timeout=aiohttp.ClientTimeout(total=60)) as session:
+                    http = HttpSide(session, web.url, [Agent(f"lag{tag[:6]}_{i}") for i in range(agents)], 600)
+                    await http.set_up()
+                    db = await asyncpg.connect(dsn)
+                    try:
+                        await _drive_and_sample(http, db, rate, seconds, run)
+                    finally:
+                        await db.close()
+            finally:
+                await asyncio.gather(*(stop_process(p) for p in started))
+    return run
+
+
+async def _drive_and_sample(http: HttpSide, db: asyncpg.Connection, rate: float, seconds: float,
+                            run: LagRun) -> None:
+    """Post on a fixed schedule (write k at start + k/rate, whatever the answers' latency) and sample
+    the lag once a second, until the schedule ends."""
+    loop = asyncio.get_running_loop()
+    begin = loop.time()
+    total = int(rate * seconds)
+    in_flight: set[asyncio.Task[str | None]] = set()
+
+    def done(task: asyncio.Task[str | None]) -> None:
+        in_flight.discard(task)
+        if task.cancelled() or task.exception() is not None or task.result() is not None:
+            run.failed += 1
+        else:
+            run.accepted += 1
+
+    async def sample() -> None:
+        tick = 1
+        while True:
+            await asyncio.sleep(max(0.0, begin + tick - loop.time()))
+            head, published = await db.fetchrow(
+                "select (select coalesce(max(sequence), 0) from changes), "
+                "(select published_through from archive_watermarks where stream = 0)")
+            run.samples.append((head - published) / SEGMENT_EVENTS)
+            tick += 1
+
+    sampler = asyncio.create_task(sample())
+    try:
+        for k in range(total):
+            await asyncio.sleep(max(0.0, begin + k / rate - loop.time()))
+            run.scheduled += 1
+            if len(in_flight) >= MAX_IN_FLIGHT:
+                run.failed += 1  # the node is this far behind: a miss, not a queue in the client
+                continue
+            task = asyncio.create_task(http.write(k % len(http.agents), k + 1))
+            in_flight.add(task)
+            task.add_done_callback(done)
+        run.seconds = loop.time() - begin
+        if in_flight:
+            await asyncio.wait(set(in_flight), timeout=30)
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+    run.published_segments = int(await db.fetchval(
+        "select count(*) from archive_segments where stream = 0 and state = 'published'"))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--amqp-url", default=os.environ.get("TOASTMACHINE_TEST_AMQP_URL",
+                                                             "amqp://guest:guest@127.0.0.1:5672/"))
+    parser.add_argument("--lag-rate", type=float, default=200.0, help="writes/s during the lag phase")
+    parser.add_argument("--lag-seconds", type=float, default=60.0, help="length of the lag phase")
+    parser.add_argument("--lag-agents", type=int, default=16, help="agents sharing the lag phase's writes")
+    parser.add_argument("--skip-rate", action="store_true", help="only the lag phase")
+    parser.add_argument("--skip-lag", action="store_true", help="only the archive and verify rates")
     args = parser.parse_args()
+    quiet_product_logs()
+    if not args.skip_rate:
+        await rates(args)
+    if not args.skip_lag:
+        print(f"lag phase: {args.lag_rate:g} writes/s for {args.lag_seconds:g} s through the Procfile's processes ...",
+              flush=True)
+        lag = await lag_under_load(args.dsn, args.amqp_url, args.lag_rate, args.lag_seconds, args.lag_agents)
+        achieved = lag.accepted / lag.seconds if lag.seconds else 0.0
+        print(f"lag load:          {lag.accepted:,} writes accepted of {lag.scheduled:,} scheduled ({lag.failed:,} "
+              f"failed) in {lag.seconds:.1f} s = {achieved:,.0f} writes/s; {lag.published_segments} segments "
+              "published")
+        if lag.samples:
+            print(f"lag:               max {max(lag.samples):.2f} segments, p99 {percentile(lag.samples, 0.99):.2f} "
+                  f"segments over {len(lag.samples)} one-second samples (head - published_through, "
+                  f"/{SEGMENT_EVENTS}; target < {TARGET_LAG_SEGMENTS:g})")
+
+
+async def rates(args: argparse.Namespace) -> None:
+    """The archive and verify rates against the raw one (see the module docstring)."""
     name = f"tm_bench_archive_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(args.dsn)
     await admin.execute(f'create database "{name}"')

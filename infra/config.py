@@ -66,6 +66,8 @@ class Settings:
     archive_segment_seconds: float = 60.0
     #: Seconds between the archiver's sweeps of the history when no wake-up arrives.
     archive_sweep_seconds: float = 5.0
+    #: Segments the archiver seals, writes, verifies and publishes together at most when behind.
+    archive_batch_segments: int = 32
     #: "console" (human) or "json" (production).
     log_format: str = "console"
     #: Root log level.
@@ -166,6 +168,7 @@ class Settings:
             archive_segment_bytes=get("ARCHIVE_SEGMENT_BYTES", _int(1024, 64 << 20), d.archive_segment_bytes),
             archive_segment_seconds=get("ARCHIVE_SEGMENT_SECONDS", _float(0, 86_400), d.archive_segment_seconds),
             archive_sweep_seconds=get("ARCHIVE_SWEEP_SECONDS", _float(0.05, 3600), d.archive_sweep_seconds),
+            archive_batch_segments=get("ARCHIVE_BATCH_SEGMENTS", _int(1, 1024), d.archive_batch_segments),
             log_format=get("LOG_FORMAT", _choice("console", "json"), d.log_format),
             log_level=get("LOG_LEVEL", _choice("debug", "info", "warning", "error"), d.log_level),
             register_per_minute=get("REGISTER_PER_MINUTE", _int(1, 1_000_000), d.register_per_minute),

@@ -1,4 +1,4 @@
-"""The archive's segment format, version 1: deterministic bytes and a strict decoder (SPEC §5).
+"""The archive's segment format, version 2: deterministic bytes and a strict decoder (SPEC §5).
 
 A segment holds a contiguous run of the change history (or of the private stream) as
 length-prefixed frames, each with its sequence and a CRC32C, between a fixed header and a trailer
@@ -11,6 +11,11 @@ host, no random padding, so re-encoding a sealed range gives the same hash after
 :func:`decode_segment` refuses any corruption with a typed :class:`ArchiveFormatError` subclass whose
 ``kind`` names the failure (``truncated``, ``bad_magic``, ``crc_mismatch``, ...) and, where it
 applies, the byte offset and sequence: the verifier reports those, never a bare "invalid".
+
+Version 2 differs from version 1 only in what a public frame's event bytes are: the change's
+stored envelope text exactly as ``changes.jsonl`` serves it (version 1: that envelope re-encoded as
+canonical JSON, which cost more than everything else the archiver does per event). Both versions
+decode; :func:`change_body` gives the event bytes of a stored change for either.
 
 Pure: no I/O. The object store is ``infra/archive_store.py``; the Merkle tree ``protocol/merkle.py``.
 """
@@ -27,14 +32,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import google_crc32c
+import orjson
 
 from protocol.corpus import canonical_json
 from protocol.errors import ToastMachineError
-from protocol.merkle import leaf_hash, tree_root
+from protocol.merkle import LEAF_PREFIX, leaf_hash, tree_root
 
 #: First 8 bytes of every segment. CR LF and 0x1A catch a file mangled by text-mode transfers.
 MAGIC = b"TMSEG\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions :func:`decode_segment` reads (the layout is the same; see :func:`change_body`).
+READABLE_VERSIONS = (1, 2)
 HASH_SIZE = 32
 #: The previous-segment hash of segment 0 of a lineage.
 GENESIS_HASH = bytes(HASH_SIZE)
@@ -193,6 +201,10 @@ class DecodedSegment:
     #: SHA-256 of every byte before the hash itself: the segment's identity (manifest, ETag, link).
     hash: bytes
     size: int
+    #: Each event's leaf hash, in frame order (computed once by the decoder for the root check).
+    leaf_hashes: tuple[bytes, ...] = ()
+    #: The segment's format version (one of :data:`READABLE_VERSIONS`).
+    version: int = FORMAT_VERSION
 
     @property
     def event_count(self) -> int:
@@ -200,42 +212,106 @@ class DecodedSegment:
 
 
 def event_body(envelope: Mapping[str, Any]) -> bytes:
-    """The archived bytes of a change: the event envelope as canonical JSON (sorted keys, no
-    whitespace), the same form the change history's payloads are hashed in."""
+    """A change's event bytes in a version-1 segment: the event envelope as canonical JSON (sorted
+    keys, no whitespace), the same form the change history's payloads are hashed in."""
     return canonical_json(dict(envelope))
 
 
+def change_body(stored: str, version: int = FORMAT_VERSION) -> bytes:
+    """A change's event bytes in a segment of ``version``, from its stored envelope text (the
+    ``changes.event`` column, which is what ``changes.jsonl`` serves): verbatim UTF-8 from version 2
+    on, the canonical re-encoding (:func:`event_body`) in version 1."""
+    if version == 1:
+        return event_body(orjson.loads(stored))
+    return stored.encode()
+
+
 def encode_segment(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
-                   events: Sequence[ArchivedEvent]) -> bytes:
-    """The version-1 bytes of a segment. ValueError when the input could never decode (empty,
-    unordered, out of bounds, a genesis link on a later segment or the reverse)."""
-    if not events:
-        raise ValueError("a segment holds at least one event")
-    if len(events) > MAX_EVENTS:
+                   events: Sequence[ArchivedEvent], *, version: int = FORMAT_VERSION) -> bytes:
+    """The bytes of a segment (``version``: :data:`FORMAT_VERSION` unless re-encoding an old one).
+    ValueError when the input could never decode (empty, unordered, out of bounds, a genesis link
+    on a later segment or the reverse)."""
+    return encode_frames(stream, lineage, index, previous_hash, [e.sequence for e in events],
+                         [e.body for e in events], version=version)[0]
+
+
+def encode_frames(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
+                  sequences: Sequence[int], bodies: Sequence[bytes], *,
+                  version: int = FORMAT_VERSION) -> tuple[bytes, list[bytes]]:
+    """:func:`encode_segment` from parallel lists of sequences and event bytes; also returns every
+    event's leaf hash, so a caller extending the stream's tree does not hash the events again."""
+    frames, leaves = encode_body(sequences, bodies)
+    (data,) = chain_segments(stream, lineage, index, previous_hash,
+                             [SegmentBody(sequences[0], sequences[-1], len(sequences), frames)], version=version)
+    return data, leaves
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentBody:
+    """A segment without its header and hash: what :func:`encode_body` makes, for :func:`chain_segments`."""
+
+    first_sequence: int
+    last_sequence: int
+    event_count: int
+    #: The frames and the Merkle subtree root (the trailer's first half).
+    body: bytes
+
+
+def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
+    """The frames of a segment followed by its Merkle subtree root, and every event's leaf hash.
+
+    Everything of a segment that does not depend on the segment before it, so a batch's bodies can
+    be made before their hashes are chained (:func:`chain_segments`). ValueError when the events
+    could never decode (none, too many, unordered, out of bounds).
+    """
+    count = len(sequences)
+    if not count or len(bodies) != count:
+        raise ValueError("a segment holds at least one event, each with a sequence and its bytes")
+    if count > MAX_EVENTS:
         raise ValueError(f"a segment holds at most {MAX_EVENTS} events")
-    if not 0 <= index <= MAX_INDEX:
+    if any(map(int.__ge__, sequences[:-1], sequences[1:])) or not 0 <= sequences[0] <= sequences[-1] <= MAX_SEQUENCE:
+        raise ValueError(f"sequences must strictly increase within 0..{MAX_SEQUENCE}")
+    lengths = list(map(len, bodies))
+    if max(lengths) > MAX_EVENT_BYTES:
+        raise ValueError(f"an event is larger than {MAX_EVENT_BYTES} bytes")
+    # Whole-list steps (map over C callables) rather than a loop of statements: this runs once per
+    # archived event, and the interpreter's per-statement cost is most of it.
+    frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
+    parts: list[bytes] = [b""] * (2 * count + 1)
+    parts[0:-1:2] = frames
+    parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
+    leaves = [hashlib.sha256(LEAF_PREFIX + body).digest() for body in bodies]
+    parts[-1] = tree_root(leaves)
+    data = b"".join(parts)
+    if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
+        raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
+    return data, leaves
+
+
+def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
+                   bodies: Sequence[SegmentBody], *, version: int = FORMAT_VERSION) -> list[bytes]:
+    """Consecutive segments ``index``, ``index + 1``, ... from their bodies: each header links to the
+    hash of the segment before (``previous_hash`` for the first), each segment ends with its hash.
+
+    Only SHA-256 over large buffers, which releases the GIL: callers may run it in a thread.
+    """
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
+    if not 0 <= index <= MAX_INDEX - len(bodies) + 1:
         raise ValueError(f"segment index must be 0..{MAX_INDEX}")
     if len(previous_hash) != HASH_SIZE:
         raise ValueError("previous hash must be 32 bytes")
     if (index == 0) != (previous_hash == GENESIS_HASH):
         raise ValueError("segment 0, and only segment 0, links to the genesis hash")
-    last = -1
-    for e in events:
-        if not last < e.sequence <= MAX_SEQUENCE:
-            raise ValueError(f"sequences must strictly increase within 0..{MAX_SEQUENCE}")
-        if len(e.body) > MAX_EVENT_BYTES:
-            raise ValueError(f"event {e.sequence} is larger than {MAX_EVENT_BYTES} bytes")
-        last = e.sequence
-    parts = [_HEADER.pack(MAGIC, FORMAT_VERSION, int(stream), 0, lineage.bytes, index,
-                          events[0].sequence, events[-1].sequence, len(events), previous_hash)]
-    for e in events:
-        head = _FRAME_HEAD.pack(len(e.body), e.sequence)
-        parts += (head, e.body, _CRC.pack(google_crc32c.extend(google_crc32c.value(head), e.body)))
-    parts.append(tree_root([e.leaf_hash for e in events]))
-    body = b"".join(parts)
-    if len(body) + HASH_SIZE > MAX_SEGMENT_BYTES:
-        raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
-    return body + hashlib.sha256(body).digest()
+    out: list[bytes] = []
+    for i, piece in enumerate(bodies):
+        header = _HEADER.pack(MAGIC, version, int(stream), 0, lineage.bytes, index + i, piece.first_sequence,
+                              piece.last_sequence, piece.event_count, previous_hash)
+        digest = hashlib.sha256(header)
+        digest.update(piece.body)
+        previous_hash = digest.digest()
+        out.append(b"".join((header, piece.body, previous_hash)))
+    return out
 
 
 def segment_hash(data: bytes) -> bytes:
@@ -252,21 +328,52 @@ def decode_segment(data: bytes, *, expected_previous_hash: bytes | None = None,
     strictly increasing sequence), the frame count, the header's range, the Merkle subtree root, the
     SHA-256, then what the caller expects (previous hash: the link; lineage, index, stream).
     """
+    segment = _walk(data, True)
+    _expect(segment, expected_previous_hash, expected_lineage, expected_index, expected_stream)
+    return segment
+
+
+def check_read_back(data: bytes, *, expected_hash: bytes, expected_previous_hash: bytes,
+                    expected_lineage: uuid.UUID, expected_index: int, expected_stream: Stream,
+                    computed_hash: bytes | None = None) -> DecodedSegment:
+    """The archiver's check of a segment it wrote and read back: everything :func:`decode_segment`
+    checks except recomputing the Merkle root, plus that its hash is ``expected_hash``.
+
+    The root is skipped because it is covered: the SHA-256 checked here is over the root bytes too,
+    and ``expected_hash`` is the hash of the bytes the archiver encoded, whose root it computed from
+    these same frames. The frames and CRCs are still walked, so bytes that were only re-hashed
+    could not pass with a broken frame. The result has no events (``events`` and ``leaf_hashes``
+    are empty); its counts and range are the header's, checked against the frames.
+
+    ``computed_hash``: the SHA-256 of ``data[:-32]`` when the caller computed it already (e.g. in a
+    thread, beside this walk), so it is not computed twice.
+    """
+    segment = _walk(data, False, computed_hash)
+    if segment.hash != expected_hash:
+        raise HashMismatch(f"segment {segment.index} read back hashes to {segment.hash.hex()}, "
+                           f"{expected_hash.hex()} was written", offset=len(data) - HASH_SIZE)
+    _expect(segment, expected_previous_hash, expected_lineage, expected_index, expected_stream)
+    return segment
+
+
+def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> DecodedSegment:
+    """Check a segment's bytes; ``full``: also build its events and leaf hashes and check its root."""
     n = len(data)
     if n > MAX_SEGMENT_BYTES:
         raise MalformedHeader(f"{n} bytes is more than a segment may hold ({MAX_SEGMENT_BYTES})")
     if n < 8:
         raise SegmentTruncated(f"{n} bytes is shorter than the magic", offset=n)
-    view = memoryview(data)
-    if bytes(view[:8]) != MAGIC:
+    data = bytes(data)
+    if data[:8] != MAGIC:
         raise BadMagic("the first 8 bytes are not a ToastMachine segment's magic", offset=0)
     if n < HEADER_SIZE + TRAILER_SIZE:
         raise SegmentTruncated(f"{n} bytes is shorter than a header and trailer "
                                f"({HEADER_SIZE + TRAILER_SIZE})", offset=n)
     (_magic, version, stream_code, reserved, lineage_raw, index, first, last, count,
-     previous_hash) = _HEADER.unpack_from(view, 0)
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersion(f"format version {version}; this reader knows {FORMAT_VERSION}", offset=8)
+     previous_hash) = _HEADER.unpack_from(data, 0)
+    if version not in READABLE_VERSIONS:
+        raise UnsupportedVersion(f"format version {version}; this reader knows "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))}", offset=8)
     try:
         stream = Stream(stream_code)
     except ValueError:
@@ -284,57 +391,68 @@ def decode_segment(data: bytes, *, expected_previous_hash: bytes | None = None,
 
     frames_end = n - TRAILER_SIZE
     events: list[ArchivedEvent] = []
+    leaves: list[bytes] = []
+    # Bound locally: this loop runs once per event of every segment read.
+    sha256, crc32c, unpack_head, unpack_crc = hashlib.sha256, google_crc32c.value, _FRAME_HEAD.unpack_from, \
+        _CRC.unpack_from
+    head_size = _FRAME_HEAD.size
+    frames = 0
     pos = HEADER_SIZE
-    previous_sequence = -1
+    first_sequence = previous_sequence = -1
     while pos < frames_end:
-        if len(events) == count:
+        if frames == count:
             raise CountMismatch(f"the header counts {count} events but more frames follow", offset=pos)
-        if pos + _FRAME_HEAD.size > frames_end:
-            raise SegmentTruncated(f"frame {len(events)} at byte {pos} is cut short", offset=pos)
-        length, sequence = _FRAME_HEAD.unpack_from(view, pos)
-        body_start = pos + _FRAME_HEAD.size
-        crc_at = body_start + length
+        if pos + head_size > frames_end:
+            raise SegmentTruncated(f"frame {frames} at byte {pos} is cut short", offset=pos)
+        length, sequence = unpack_head(data, pos)
+        crc_at = pos + head_size + length
         if length > MAX_EVENT_BYTES or crc_at + 4 > frames_end:
-            raise SegmentTruncated(f"frame {len(events)} at byte {pos} claims {length} bytes that are not there",
+            raise SegmentTruncated(f"frame {frames} at byte {pos} claims {length} bytes that are not there",
                                    offset=pos)
-        # google_crc32c takes bytes, not memoryviews; the body is kept as bytes anyway.
-        head = bytes(view[pos:body_start])
-        body = bytes(view[body_start:crc_at])
-        (crc,) = _CRC.unpack_from(view, crc_at)
-        if google_crc32c.extend(google_crc32c.value(head), body) != crc:
-            raise CrcMismatch(f"frame {len(events)} at byte {pos} fails its CRC32C", offset=pos, sequence=sequence)
+        # The CRC covers the frame's length, sequence and event bytes: one contiguous slice.
+        if crc32c(data[pos:crc_at]) != unpack_crc(data, crc_at)[0]:
+            raise CrcMismatch(f"frame {frames} at byte {pos} fails its CRC32C", offset=pos, sequence=sequence)
         if sequence <= previous_sequence:
-            raise SequenceOrder(f"frame {len(events)} has sequence {sequence} after {previous_sequence}",
+            raise SequenceOrder(f"frame {frames} has sequence {sequence} after {previous_sequence}",
                                 offset=pos, sequence=sequence)
+        if frames == 0:
+            first_sequence = sequence
         previous_sequence = sequence
-        events.append(ArchivedEvent(sequence, body))
+        if full:
+            body = data[pos + head_size:crc_at]
+            events.append(ArchivedEvent(sequence, body))
+            leaves.append(sha256(LEAF_PREFIX + body).digest())
+        frames += 1
         pos = crc_at + 4
-    if len(events) != count:
-        raise CountMismatch(f"the header counts {count} events but {len(events)} frames are present",
+    if frames != count:
+        raise CountMismatch(f"the header counts {count} events but {frames} frames are present",
                             offset=52)
-    if events[0].sequence != first or events[-1].sequence != last:
+    if first_sequence != first or previous_sequence != last:
         raise RangeMismatch(f"the header says {first}..{last}, the frames hold "
-                            f"{events[0].sequence}..{events[-1].sequence}", offset=36)
-    merkle_root = bytes(view[frames_end:frames_end + HASH_SIZE])
-    if tree_root([e.leaf_hash for e in events]) != merkle_root:
+                            f"{first_sequence}..{previous_sequence}", offset=36)
+    merkle_root = data[frames_end:frames_end + HASH_SIZE]
+    if full and tree_root(leaves) != merkle_root:
         raise MerkleRootMismatch("the trailer's Merkle root is not the root of these frames", offset=frames_end)
-    digest = bytes(view[n - HASH_SIZE:])
-    if hashlib.sha256(view[:n - HASH_SIZE]).digest() != digest:
+    digest = data[n - HASH_SIZE:]
+    if (computed_hash or sha256(memoryview(data)[:n - HASH_SIZE]).digest()) != digest:
         raise HashMismatch("the trailer's SHA-256 is not the hash of the segment", offset=n - HASH_SIZE)
+    return DecodedSegment(stream, uuid.UUID(bytes=lineage_raw), index, first, last, bytes(previous_hash),
+                          tuple(events), merkle_root, digest, n, tuple(leaves), version)
 
-    lineage = uuid.UUID(bytes=lineage_raw)
-    if expected_previous_hash is not None and previous_hash != expected_previous_hash:
-        raise BrokenLink(f"segment {index} links to {previous_hash.hex()}, the previous segment is "
-                         f"{expected_previous_hash.hex()}", offset=56)
-    if expected_lineage is not None and lineage != expected_lineage:
-        raise IdentityMismatch(f"segment belongs to lineage {lineage}, expected {expected_lineage}", offset=12)
-    if expected_index is not None and index != expected_index:
-        raise IdentityMismatch(f"segment has index {index}, expected {expected_index}", offset=28)
-    if expected_stream is not None and stream != expected_stream:
-        raise IdentityMismatch(f"segment is in the {stream.name.lower()} stream, expected "
-                               f"{expected_stream.name.lower()}", offset=10)
-    return DecodedSegment(stream, lineage, index, first, last, bytes(previous_hash), tuple(events),
-                          merkle_root, digest, n)
+
+def _expect(segment: DecodedSegment, previous_hash: bytes | None, lineage: uuid.UUID | None,
+            index: int | None, stream: Stream | None) -> None:
+    """Raise BrokenLink or IdentityMismatch when ``segment`` is not the one the caller expects."""
+    if previous_hash is not None and segment.previous_hash != previous_hash:
+        raise BrokenLink(f"segment {segment.index} links to {segment.previous_hash.hex()}, the previous segment "
+                         f"is {previous_hash.hex()}", offset=56)
+    if lineage is not None and segment.lineage != lineage:
+        raise IdentityMismatch(f"segment belongs to lineage {segment.lineage}, expected {lineage}", offset=12)
+    if index is not None and segment.index != index:
+        raise IdentityMismatch(f"segment has index {segment.index}, expected {index}", offset=28)
+    if stream is not None and segment.stream != stream:
+        raise IdentityMismatch(f"segment is in the {segment.stream.name.lower()} stream, expected "
+                               f"{stream.name.lower()}", offset=10)
 
 
 # --- object keys -----------------------------------------------------------------------------------
@@ -404,4 +522,4 @@ def public_key_key(lineage: uuid.UUID) -> str:
 
 def leaf_hashes(segments: Iterable[DecodedSegment]) -> list[bytes]:
     """Every leaf hash of the given segments, in order: the leaves of the history's tree."""
-    return [e.leaf_hash for s in segments for e in s.events]
+    return [h for s in segments for h in (s.leaf_hashes or tuple(e.leaf_hash for e in s.events))]

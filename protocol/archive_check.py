@@ -121,8 +121,7 @@ class ChainChecker:
                                          index=entry.index))
             return None
         if self.tree_complete:
-            for event in segment.events:
-                self.tree.append_hash(event.leaf_hash)
+            self.tree.extend(segment.leaf_hashes)
         return segment
 
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:

@@ -26,6 +26,7 @@ from protocol.archive import (
     HEADER_SIZE,
     MAX_INDEX,
     MAX_SEQUENCE,
+    READABLE_VERSIONS,
     TRAILER_SIZE,
     DecodedSegment,
 )
@@ -106,8 +107,9 @@ class Manifest:
 
 def validate_manifest(manifest: Manifest) -> None:
     """Raise ManifestError unless indexes run 0, 1, 2... and ranges strictly follow each other."""
-    if manifest.format_version != FORMAT_VERSION:
-        raise ManifestError(f"format_version {manifest.format_version} is not {FORMAT_VERSION}")
+    if manifest.format_version not in READABLE_VERSIONS:
+        raise ManifestError(f"format_version {manifest.format_version} is not one of "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}")
     if manifest.parent_lineage is not None and manifest.parent_lineage == manifest.lineage:
         raise ManifestError("parent_lineage equals lineage")
     previous_last = -1

@@ -53,11 +53,23 @@ def split_point(n: int) -> int:
 
 
 def tree_root(leaves: Sequence[bytes]) -> bytes:
-    """MTH(D[n]) of the given leaf hashes (not leaf data), computed bottom-up without recursion."""
-    tree = CompactTree()
-    for h in leaves:
-        tree.append_hash(h)
-    return tree.root()
+    """MTH(D[n]) of the given leaf hashes (not leaf data), computed bottom-up without recursion.
+
+    Level by level: pair neighbours, and carry an unpaired last node up unchanged. That is RFC
+    6962's split at the largest power of two below n, read from the bottom (the left part is always
+    a perfect subtree, so the pairs never straddle the split), and one list comprehension per level
+    is several times faster in Python than appending leaf by leaf.
+    """
+    if not leaves:
+        return EMPTY_ROOT
+    level = list(leaves)
+    sha256 = hashlib.sha256
+    while len(level) > 1:
+        odd = level[-1] if len(level) & 1 else None
+        level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+        if odd is not None:
+            level.append(odd)
+    return level[0]
 
 
 def _range_root(leaves: Sequence[bytes], lo: int, hi: int) -> bytes:
@@ -259,6 +271,41 @@ class CompactTree:
             self.frontier.append(node_hash(left, right))
             carry >>= 1
         self.size += 1
+
+    def extend(self, hashes: Iterable[bytes]) -> None:
+        """Append many leaves given their leaf hashes (what :meth:`append_hash` does for each).
+
+        Level by level rather than leaf by leaf: at each height the new nodes are paired in one
+        list comprehension, a frontier node of that height first when the tree so far ends in the
+        middle of a pair, and an unpaired last node becomes the new frontier node of that height.
+        """
+        frontier = self.frontier
+        assert frontier is not None
+        level = list(hashes)
+        if any(len(h) != HASH_SIZE for h in level):
+            raise MerkleError("leaf hashes must be 32 bytes")
+        if not level:
+            return
+        old, new_size = self.size, self.size + len(level)
+        # Frontier nodes by height: the set bits of the old size, smallest (rightmost) last.
+        heights = [h for h in range(old.bit_length()) if old >> h & 1]
+        kept: dict[int, bytes] = dict(zip(heights, reversed(frontier), strict=True))
+        sha256 = hashlib.sha256
+        position, height = old, 0
+        while level:
+            if position & 1:
+                # The tree so far ends with a lone node at this height: it is the left of a pair.
+                level.insert(0, kept.pop(height))
+                position -= 1
+            if len(level) & 1:
+                kept[height] = level.pop()
+            level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+            position >>= 1
+            height += 1
+        # What remains: the old frontier above the heights reached, and the new lone nodes.
+        self.frontier = [kept[h] for h in sorted(kept, reverse=True)]
+        self.size = new_size
+        assert len(self.frontier) == new_size.bit_count()
 
     def root(self) -> bytes:
         """MTH of the leaves appended so far (EMPTY_ROOT for none)."""

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import pytest
 from obstore.store import LocalStore, S3Store
 
@@ -31,10 +30,10 @@ from protocol.archive import (
     ArchivedEvent,
     DecodedSegment,
     Stream,
+    change_body,
     checkpoint_key,
     decode_segment,
     encode_segment,
-    event_body,
     manifest_key,
     private_checkpoint_key,
     public_key_key,
@@ -75,7 +74,7 @@ async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int 
         operations = await conn.fetch("select * from operations where status is not null order by created_at")
     lineage, corpus_id = witness["lineage"], witness["corpus_id"]
     key = key or generate_signer_key(archive_origin(corpus_id))
-    events = [ArchivedEvent(r["sequence"], event_body(orjson.loads(r["event"]))) for r in rows]
+    events = [ArchivedEvent(r["sequence"], change_body(r["event"])) for r in rows]
     previous, segments, tree = GENESIS_HASH, [], CompactTree()
     await store.put(public_key_key(lineage), (key.verifier().text() + "\n").encode())
     for index, start in enumerate(range(0, len(events), per_segment)):

@@ -50,7 +50,7 @@ def test_manifest_round_trip_and_determinism() -> None:
     assert decode_manifest(data) == manifest
     assert encode_manifest(decode_manifest(data)) == data
     raw = orjson.loads(data)
-    assert raw["format_version"] == 1 and raw["lineage"] == str(LINEAGE) and raw["parent_lineage"] == str(PARENT)
+    assert raw["format_version"] == 2 and raw["lineage"] == str(LINEAGE) and raw["parent_lineage"] == str(PARENT)
     assert raw["segments"][1] == {"index": 1, "first_sequence": 11, "last_sequence": 13, "event_count": 3,
                                   "size": chain[1].size, "hash": chain[1].hash.hex()}
     assert manifest.tree_size == 9 and manifest.archived_through == 23 and manifest.last_hash == chain[2].hash.hex()
@@ -81,7 +81,7 @@ def _tampered(mutate) -> bytes:  # type: ignore[no-untyped-def]
     ("bool as int", lambda m: m["segments"][0].update(size=True)),
     ("unknown key", lambda m: m.update(extra=1)),
     ("missing key", lambda m: m.pop("parent_lineage")),
-    ("version", lambda m: m.update(format_version=2)),
+    ("version", lambda m: m.update(format_version=3)),
     ("lineage", lambda m: m.update(lineage="not-a-uuid")),
     ("self parent", lambda m: m.update(parent_lineage=m["lineage"])),
     ("tiny size", lambda m: m["segments"][0].update(size=10)),

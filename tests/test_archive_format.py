@@ -1,4 +1,4 @@
-"""The version-1 segment format: deterministic round trips, and every kind of corruption refused with
+"""The segment format (version 2; version 1 still decodes): deterministic round trips, and every kind of corruption refused with
 its own typed error (a flipped byte anywhere, truncation, reordered frames, broken links)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_layout_is_the_documented_one() -> None:
     """Spot-check the byte offsets docs/archive-format.md gives, on a small known segment."""
     events, data = _sample(2, index=3, previous=b"\x11" * 32)
     assert data[:8] == b"TMSEG\r\n\x1a"
-    assert struct.unpack(">HBB", data[8:12]) == (1, 0, 0)
+    assert struct.unpack(">HBB", data[8:12]) == (2, 0, 0)
     assert data[12:28] == LINEAGE.bytes
     assert struct.unpack(">QQQI", data[28:56]) == (3, 10, 12, 2)
     assert data[56:88] == b"\x11" * 32
@@ -83,6 +83,35 @@ def test_layout_is_the_documented_one() -> None:
     assert data[100:100 + length] == events[0].body
     assert len(data) == 88 + sum(16 + len(e.body) for e in events) + 64
     assert data[-64:-32] == tree_root([leaf_hash(e.body) for e in events])
+
+
+def test_a_version_1_segment_still_decodes_and_change_bodies_follow_the_version() -> None:
+    """Version 2 changed only what a public frame holds (the stored envelope text instead of its
+    canonical re-encoding): a version-1 segment decodes and reports its version."""
+    events, _ = _sample(3)
+    old = decode_segment(encode_segment(Stream.PUBLIC, LINEAGE, 0, GENESIS_HASH, events, version=1))
+    assert (old.version, [e.body for e in old.events]) == (1, [e.body for e in events])
+    assert decode_segment(encode_segment(Stream.PUBLIC, LINEAGE, 0, GENESIS_HASH, events)).version == 2
+    stored = '{"sequence":1,"type":"message.appended","data":{}}'
+    assert fmt.change_body(stored) == stored.encode()
+    assert fmt.change_body(stored, 1) == b'{"data":{},"sequence":1,"type":"message.appended"}'
+
+
+def test_the_read_back_check_walks_frames_and_compares_the_hash() -> None:
+    """check_read_back: the written hash, the link and identity, and every frame's CRC."""
+    _, data = _sample(3, index=1, previous=b"\x22" * 32)
+    good = decode_segment(data)
+    expect = {"expected_hash": good.hash, "expected_previous_hash": b"\x22" * 32, "expected_lineage": LINEAGE,
+              "expected_index": 1, "expected_stream": Stream.PUBLIC}
+    assert fmt.check_read_back(data, **expect).event_count == 0  # type: ignore[arg-type]
+    broken = bytearray(data)
+    broken[88 + 12 + 3] ^= 0x04
+    with pytest.raises(fmt.CrcMismatch):
+        fmt.check_read_back(bytes(broken), **expect)  # type: ignore[arg-type]
+    with pytest.raises(fmt.HashMismatch):
+        fmt.check_read_back(data, **{**expect, "expected_hash": bytes(32)})  # type: ignore[arg-type]
+    with pytest.raises(fmt.IdentityMismatch):
+        fmt.check_read_back(data, **{**expect, "expected_index": 2})  # type: ignore[arg-type]
 
 
 def test_segments_chain_and_the_history_tree_spans_them() -> None:

@@ -93,6 +93,28 @@ def test_root_and_compact_tree_match_the_definition(data: list[bytes]) -> None:
     assert tree.root() == expected
 
 
+@settings(max_examples=200, deadline=None)
+@given(leaf_lists, st.data())
+def test_extending_in_runs_is_appending_leaf_by_leaf(data: list[bytes], draw: st.DataObject) -> None:
+    """CompactTree.extend (level by level) reaches the same size, frontier and root as append_hash,
+    from any starting size, in runs of any lengths."""
+    leaves = [leaf_hash(d) for d in data]
+    one_by_one = CompactTree()
+    for h in leaves:
+        one_by_one.append_hash(h)
+    runs = CompactTree()
+    position = 0
+    while position < len(leaves):
+        run = draw.draw(st.integers(0, len(leaves) - position))
+        runs.extend(leaves[position:position + run])
+        position += run
+        if run == 0:
+            runs.extend(leaves[position:])
+            position = len(leaves)
+    assert (runs.size, runs.frontier, runs.root()) == (one_by_one.size, one_by_one.frontier, one_by_one.root())
+    assert tree_root(leaves) == one_by_one.root()
+
+
 @settings(max_examples=150, deadline=None)
 @given(leaf_lists, st.data())
 def test_inclusion_proofs(data: list[bytes], draw: st.DataObject) -> None:

@@ -31,7 +31,7 @@ from actors.recovery.verify import verify_archive
 from actors.recovery.walk import StoreSource
 from infra.archive_store import ArchiveStore
 from infra.db import Database, apply_migrations
-from protocol.archive import Stream, event_body, segment_key
+from protocol.archive import Stream, segment_key
 from protocol.merkle import leaf_hash, tree_root
 from tests.archive_fixtures import (
     Archived,
@@ -164,8 +164,9 @@ async def _check_restored(restored: Stack, original: Original, archived: Parent,
     changes = await _changes(restored)
     assert {e["lineage"] for e in changes} == {new_lineage}
     assert _without_lineage(changes) == _without_lineage(original.changes)
-    # The same Merkle root: the restored events, stamped back with the parent lineage, are the leaves.
-    leaves = [leaf_hash(event_body({**e, "lineage": str(archived.lineage)})) for e in changes]
+    # The same Merkle root: the restored events, stamped back with the parent lineage, are the leaves
+    # (format 2 archives the stored envelope text, which the loader writes with orjson as the writer does).
+    leaves = [leaf_hash(orjson.dumps({**e, "lineage": str(archived.lineage)})) for e in changes]
     assert tree_root(leaves) == archived.root
     # Provenance on GET /corpus.
     resp = await restored.client.get("/corpus")

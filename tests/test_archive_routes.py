@@ -8,14 +8,13 @@ import base64
 import hashlib
 from pathlib import Path
 
-import orjson
 import pytest
 
 from actors.archiver import SealPolicy
 from actors.reads.archive import inclusion_proof
 from actors.web.archive import ARCHIVE_STORE
-from protocol.archive import Stream, decode_segment, event_body
-from protocol.checkpoint import parse_verifier_key, verify_checkpoint
+from protocol.archive import Stream, change_body, decode_segment
+from protocol.checkpoint import SignerKey, parse_verifier_key, verify_checkpoint
 from protocol.manifest import decode_manifest
 from protocol.merkle import inclusion_proof as merkle_inclusion_proof
 from protocol.merkle import leaf_hash, tree_root, verify_inclusion
@@ -23,12 +22,12 @@ from tests.corpus_fixtures import Stack
 from tests.test_archiver import archiving, local, published, segments, signer_for, until, write_messages
 
 
-async def archived(stack: Stack, tmp_path: Path, messages: int = 5) -> list[int]:
+async def archived(stack: Stack, tmp_path: Path, messages: int = 5, signer: SignerKey | None = None) -> list[int]:
     """Write ``messages`` changes and archive them in segments of 2 (the odd last one stays out)."""
     store = local(tmp_path)
     stack.client.app[ARCHIVE_STORE]["store"] = store  # the web node reads the archiver's store
     sequences = await write_messages(stack, messages)
-    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer_for(stack)):
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer or signer_for(stack)):
         await published(stack, messages // 2)
     return sequences
 
@@ -87,7 +86,12 @@ async def test_a_tampered_segment_is_not_served(stack: Stack, tmp_path: Path) ->
 
 
 async def test_inclusion_proofs_verify_against_the_signed_root(stack: Stack, tmp_path: Path) -> None:
-    sequences = await archived(stack, tmp_path, messages=9)
+    # Two catch-ups, so that two checkpoints exist (4 and 8): a batch publishes one checkpoint.
+    signer = signer_for(stack)
+    sequences = await archived(stack, tmp_path, messages=5, signer=signer)
+    sequences += await write_messages(stack, 4)
+    async with archiving(stack, local(tmp_path), SealPolicy(events=2, seconds=3600), signer=signer):
+        await published(stack, 4)
     status = await (await stack.client.get("/corpus/archive")).json()
     checkpoint = verify_checkpoint(status["checkpoint"], parse_verifier_key(status["public_key"]))
     for position, sequence in enumerate(sequences[:8]):
@@ -113,7 +117,7 @@ async def test_proofs_from_cached_chunks_equal_the_full_trees_path(stack: Stack,
     async with archiving(stack, store, SealPolicy(events=5, seconds=3600), signer=signer_for(stack)):
         await published(stack, 4)
     rows = await stack.db.pool.fetch("select event from changes order by sequence")
-    leaves = [leaf_hash(event_body(orjson.loads(r["event"]))) for r in rows]
+    leaves = [leaf_hash(change_body(r["event"])) for r in rows]
     sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
         "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
     assert sizes and sizes[-1] == 20
@@ -132,6 +136,19 @@ async def test_proofs_from_cached_chunks_equal_the_full_trees_path(stack: Stack,
     corrupted = await inclusion_proof(stack.db.pool, sequences[0], 20, chunk_height=2)
     assert bytes(32) in corrupted.path
     assert not verify_inclusion(corrupted.leaf_hash, 0, 20, corrupted.path, tree_root(leaves[:20]))
+
+
+async def test_proof_leaves_follow_each_segments_format_version(stack: Stack, tmp_path: Path) -> None:
+    """A lineage begun under format version 1 keeps its version-1 leaves (the canonical re-encoding):
+    the proof of a change in such a segment hashes it by that rule, the others verbatim."""
+    sequences = await archived(stack, tmp_path, messages=5)
+    await stack.db.pool.execute("update archive_segments set format_version = 1 where stream = 0 and segment_index = 0")
+    rows = await stack.db.pool.fetch("select sequence, event from changes order by sequence limit 4")
+    for position, row in enumerate(rows):
+        proof = await inclusion_proof(stack.db.pool, sequences[position], 4, chunk_height=1)
+        version = 1 if position < 2 else 2
+        assert proof.leaf_hash == leaf_hash(change_body(row["event"], version))
+    assert change_body(rows[0]["event"], 1) != change_body(rows[0]["event"], 2)
 
 
 async def test_the_manifest_route_serves_the_published_manifest(stack: Stack, tmp_path: Path) -> None:

@@ -78,7 +78,9 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
         for _ in range(CHANGES - 1):
             await stack.message(agent, cid, content="archived")
         lineage = stack.identity.lineage
-    env = {"TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "3600"}
+    # Batches of two segments: 60 of them, so the kills land inside one (a sealed or a written batch).
+    env = {"TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "3600",
+           "TOASTMACHINE_ARCHIVE_BATCH_SEGMENTS": "2"}
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
         await dep.start("archiver", "arch-a", **env)
         await dep.start("archiver", "arch-b", **env)

@@ -13,12 +13,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from actors.reads.corpus import ARCHIVE_PATH
 from infra.archive_store import ArchiveStore, ObjectNotFound
 from infra.db.pool import Target, connection
-from protocol.archive import Stream, event_body, public_key_key, segment_key
+from protocol.archive import Stream, change_body, public_key_key, segment_key
 from protocol.merkle import inclusion_ranges, leaf_hash, node_hash, split_point, tree_root
 
 #: Where the web front serves the public archive's parts.
@@ -245,23 +243,33 @@ async def inclusion_proof(target: Target, sequence: int, size: int | None, *,
 
 
 async def _leaves(conn: Any, position: int, count: int) -> list[tuple[int, bytes]]:
-    """``(sequence, leaf hash)`` of up to ``count`` public leaves from leaf ``position`` on (fewer when
-    the history ends first), read in pages."""
-    seg = await conn.fetchrow(
-        "select first_sequence, tree_size - event_count as start from archive_segments where stream = $1 "
-        "and tree_size - event_count <= $2 and tree_size > $2", _PUBLIC, position)
-    if seg is None:
+    """``(sequence, leaf hash)`` of up to ``count`` archived public leaves from leaf ``position`` on
+    (fewer when the archived history ends first), read in pages.
+
+    Each leaf is hashed by the format version of the segment that holds it: a lineage begun under
+    version 1 keeps its version-1 leaves after the archiver moved on to version 2.
+    """
+    segs = await conn.fetch(
+        "select first_sequence, last_sequence, format_version, tree_size - event_count as start "
+        "from archive_segments where stream = $1 and tree_size > $2 and tree_size - event_count < $3 "
+        "order by segment_index", _PUBLIC, position, position + count)
+    if not segs:
         return []
     # The change at ``position``: at most a segment's length into the segment that holds it.
     after = await conn.fetchval("select sequence - 1 from changes where sequence >= $1 order by sequence "
-                                "offset $2 limit 1", seg["first_sequence"], position - int(seg["start"]))
+                                "offset $2 limit 1", segs[0]["first_sequence"], position - int(segs[0]["start"]))
+    last = segs[-1]["last_sequence"]
     out: list[tuple[int, bytes]] = []
+    at = 0
     while after is not None and len(out) < count:
-        rows = await conn.fetch("select sequence, event from changes where sequence > $1 order by sequence "
-                                "limit $2", after, min(_PROOF_PAGE, count - len(out)))
+        rows = await conn.fetch("select sequence, event from changes where sequence > $1 and sequence <= $2 "
+                                "order by sequence limit $3", after, last, min(_PROOF_PAGE, count - len(out)))
         if not rows:
             break
-        out.extend((r["sequence"], leaf_hash(event_body(orjson.loads(r["event"])))) for r in rows)
+        for r in rows:
+            while segs[at]["last_sequence"] < r["sequence"]:
+                at += 1
+            out.append((r["sequence"], leaf_hash(change_body(r["event"], segs[at]["format_version"]))))
         after = rows[-1]["sequence"]
     return out
 

@@ -309,8 +309,7 @@ class Mirror:
                     raise MirrorError(f"{key} is refused: {e.kind}: {e}") from None
                 if ManifestSegment.of(segment) != entry:
                     raise MirrorError(f"{key} is not the segment the manifest lists")
-                for event in segment.events:
-                    tree.append_hash(event.leaf_hash)
+                tree.extend(segment.leaf_hashes)
                 await self._apply_archived(conn, loader, state.applied_through,
                                            [(e.sequence, e.body) for e in segment.events])
                 previous = segment.hash
@@ -337,7 +336,9 @@ class Mirror:
                                     [s for s, _ in old])
             stored = {r["sequence"]: r["event"] for r in rows}
             for sequence, body in old:
-                if sequence not in stored or event_body(orjson.loads(stored[sequence])) != body:
+                # Compared as canonical JSON: the mirror stores what its loader wrote, which need not be
+                # the node's bytes (segments of format 2 hold those verbatim, format 1 canonical).
+                if sequence not in stored or event_body(orjson.loads(stored[sequence])) != event_body(orjson.loads(body)):
                     raise MirrorFork(f"change {sequence} as archived differs from the one the node served live")
         new = [(s, orjson.loads(body)) for s, body in events if s > applied_through]
         if new:

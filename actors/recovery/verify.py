@@ -3,7 +3,8 @@
 :func:`verify_archive` runs an :class:`~actors.recovery.walk.ArchiveWalk` and, when a database is
 given, compares as the segments stream by: for each segment, the change rows with a sequence after
 the previous segment's last and up to this one's last must be exactly the segment's frames, each
-frame's bytes equal to the row's stored event in canonical form (:func:`protocol.archive.event_body`).
+frame's bytes equal to the row's stored event as the segment's format version holds it
+(:func:`protocol.archive.change_body`).
 So a row edited behind the immutability triggers' back (``event_mismatch``), an archived event the
 database does not have (``missing_in_database``) and a committed change the archiver skipped
 (``not_archived``) are each reported with their sequence. Rows after the archive's last sequence are
@@ -19,12 +20,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk, WalkSummary
 from infra.archive_store import ArchiveStoreError
 from infra.db import Target, connection
-from protocol.archive import DecodedSegment, event_body
+from protocol.archive import DecodedSegment, change_body
 from protocol.archive_check import Finding
 from protocol.checkpoint import VerifierKey
 
@@ -96,7 +95,7 @@ class _RowComparer:
                            event.sequence)
                 continue
             self.comparison.compared += 1
-            if event_body(orjson.loads(text)) != event.body:
+            if change_body(text, segment.version) != event.body:
                 self._find("event_mismatch", f"change {event.sequence} in the database differs from its archived "
                            "bytes", event.sequence)
         for sequence in sorted(stored):

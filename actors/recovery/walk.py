@@ -266,8 +266,8 @@ class ArchiveWalk:
             self.summary.segments_checked += 1
             self.summary.events_checked += segment.event_count
             if self._checker.tree_complete:
-                for event in segment.events:
-                    self._tree.append_hash(event.leaf_hash)
+                for leaf in segment.leaf_hashes:
+                    self._tree.append_hash(leaf)
                     if self._tree.size in wanted:
                         self._prefix_roots[self._tree.size] = self._tree.root()
             yield segment
@@ -436,7 +436,6 @@ class PrivateWalk:
             previous = segment.hash
             self.segments_checked += 1
             self.records_checked += segment.event_count
-            for event in segment.events:
-                tree.append_hash(event.leaf_hash)
+            tree.extend(segment.leaf_hashes)
             yield segment
         self._root = tree.root()
