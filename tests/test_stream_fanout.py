@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from actors.hub import FANOUT_SLICE, Batch
+from actors.web.stream import HUB
 from tests.corpus_fixtures import Stack, publishing
 from tests.sse import Frame, frames
 
@@ -86,8 +87,6 @@ async def test_a_pass_lets_other_work_run_between_its_slices(stack: Stack) -> No
     """A pass over more subscribers than one slice serves one slice per loop turn: a callback that
     becomes ready during the first slice (as a write request's I/O would) runs before the second
     slice, not after the whole pass; every subscriber still gets the batch once."""
-    from actors.web.stream import HUB
-
     hub = stack.client.app[HUB]
     loop = asyncio.get_running_loop()
     served: list[int] = []
@@ -123,3 +122,33 @@ async def test_a_pass_lets_other_work_run_between_its_slices(stack: Stack) -> No
         assert all(sub.pending == 0 for sub in subs)  # nothing was queued besides the sink
         for t in takers:
             t.cancel()
+
+
+async def test_a_burst_of_changes_reaches_live_streams_once_in_order(stack: Stack) -> None:
+    """Live streams open while changes pile up unpublished; then the publisher sends them all at
+    once, so the hub's batches are big (bigger than one socket write of a stream, LIVE_BATCH, goes
+    through the stream's task): every change still arrives once, in order, filtered or not."""
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    async with publishing(stack):
+        async with asyncio.timeout(30):  # the stream starts at a head the hub has passed on
+            while stack.client.app[HUB].last_sequence != await _head(stack):
+                await asyncio.sleep(0.01)
+    responses = [await stack.client.get("/corpus/stream" + q, timeout=aiohttp.ClientTimeout(total=None))
+                 for q in ("", "?types=message.appended")]
+    readers = [frames(r) for r in responses]
+    head = (await asyncio.gather(*(_ready(r) for r in readers)))[0]
+    for n in range(0, 300, 20):
+        await asyncio.gather(*(stack.message(alice, cid, content=f"m{n + i}") for i in range(20)))
+    expected = [r["sequence"] for r in await stack.db.pool.fetch(
+        "select sequence from changes where sequence > $1 order by sequence", head)]
+    assert len(expected) == 300
+    async with publishing(stack):
+        got = await asyncio.gather(*(_ids_until(r, expected[-1]) for r in readers))
+    assert got == [expected, expected]
+    for r in responses:
+        r.close()
+
+
+async def _head(stack: Stack) -> int:
+    return int(await stack.db.pool.fetchval("select coalesce(max(sequence), 0) from changes"))

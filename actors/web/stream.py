@@ -263,13 +263,19 @@ class _Stream:
         """The subscription's sink: write ``batch``'s frames for this stream to its socket at once,
         in the hub's fan-out pass (no task wake-up, no coroutine per stream), and answer True; or
         answer False, having changed nothing, when the batch must go through :meth:`changes` (the
-        socket is backed up or gone, or a filter needs a lookup).
+        socket is backed up or gone, the batch is more than :data:`LIVE_BATCH` changes, or a filter
+        needs a lookup).
 
         Written on the transport, in HTTP/1.1 chunked framing when the response is chunked (as
         aiohttp's own writer frames each ``write``): the response is prepared, its headers sent, and
         nothing else writes to it meanwhile (the stream's task is parked in ``take``)."""
         transport = self.transport
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
+            return False
+        if len(batch.items) > LIVE_BATCH:
+            # A big batch (a hole filled from the history, a node far behind) goes through the
+            # task, LIVE_BATCH changes per write with aiohttp's drain between: the transport never
+            # holds more than what the task path would let it.
             return False
         last = self.last
         if self.filters.unfiltered and batch.first > last:
