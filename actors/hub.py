@@ -63,19 +63,19 @@ FANOUT_SLICE = 128
 
 
 class Batch:
-    """The changes handed over together (changes only, in sequence order, never empty), with their
-    SSE frames joined once for all the streams that send them all (an unfiltered stream that is up
-    to date, the common case)."""
+    """The changes handed over together (in sequence order, never empty), with their SSE frames
+    joined once for all the streams that send them all (an unfiltered stream that is up to date,
+    the common case); or the ticker's heartbeat (:data:`HEARTBEAT_BATCH`)."""
 
     __slots__ = ("_joined", "first", "items", "last")
 
     def __init__(self, items: list[Item]) -> None:
         self.items = items
         first, last = items[0][0], items[-1][0]
-        assert first is not None and last is not None, "a batch holds changes, not heartbeats"
-        #: The sequences of the first and the last change.
-        self.first = first.sequence
-        self.last = last.sequence
+        #: The sequences of the first and the last change; 0 for a heartbeat, which has none (0 is
+        #: below every change's sequence, so no stream takes a heartbeat for new changes).
+        self.first = first.sequence if first is not None else 0
+        self.last = last.sequence if last is not None else 0
         self._joined: bytes | None = None
 
     def joined(self) -> bytes:
@@ -84,6 +84,9 @@ class Batch:
             self._joined = b"".join(frame for _, frame in self.items)
         return self._joined
 
+
+#: The heartbeat, as the ticker hands it to a live stream's sink.
+HEARTBEAT_BATCH = Batch([HEARTBEAT])
 
 #: A live stream's way to take a batch at once: True when it wrote the batch (or had nothing of it to
 #: send), False when it cannot now (the batch is then queued for its task).
@@ -128,8 +131,8 @@ class Subscription:
         if self.closed:
             return
         if isinstance(batch, Batch):
-            waiter, sink = self._waiter, self.sink
-            if sink is not None and not self._items and waiter is not None and not waiter.done() and sink(batch):
+            sink = self.sink
+            if sink is not None and self._idle() and sink(batch):
                 return
             items = batch.items
         else:
@@ -164,9 +167,17 @@ class Subscription:
             self._stuck_write = self.writes
             return
         self._stuck_write = None
+        if self._idle() and self.sink is not None and self.sink(HEARTBEAT_BATCH):
+            return  # written at once, like a batch of changes
         if len(self._items) < self.maxsize:
             self._items.append(HEARTBEAT)
             self._wake()
+
+    def _idle(self) -> bool:
+        """Whether the stream's task is parked in :meth:`take` with nothing queued or in hand: only
+        then may the sink write, so what it writes comes after everything handed over before."""
+        waiter = self._waiter
+        return not self._items and waiter is not None and not waiter.done()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -248,8 +259,13 @@ class NotificationHub:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat)
-            for sub in list(self._subscribers):
-                sub.tick()
+            # In slices, like a fan-out pass: the node's writes run between them.
+            subscribers = list(self._subscribers)
+            for start in range(0, len(subscribers), FANOUT_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                for sub in subscribers[start:start + FANOUT_SLICE]:
+                    sub.tick()
 
     async def close(self) -> None:
         """Stop consuming and end every subscription."""
