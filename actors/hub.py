@@ -15,6 +15,14 @@ Sequences may legitimately have gaps; reading a hole that holds nothing costs on
 Emits: each change to every subscriber's bounded queue. A subscriber whose queue is full is cut off
 (``overflowed``), never allowed to grow memory; its stream tells the client to resume.
 
+Fan-out without waking a task per stream, and without holding the loop: the changes of one loop turn
+go out as one :class:`Batch` (their frames joined once), to at most :data:`FANOUT_SLICE` subscribers
+per loop turn, so the node's other work (the write requests it takes, their replies off the bus)
+runs between slices instead of waiting for a pass over thousands of streams. A live stream that is
+idle (its task parked with nothing in hand, its socket's buffer small) takes the batch through its
+``sink``: written straight to its socket in the hub's pass. Otherwise the batch is queued and the
+stream's task writes it (and waits for the socket to drain), which is where every bound applies.
+
 Heartbeats: one ticker per hub, not a timer per stream. Every ``heartbeat`` seconds it queues a
 heartbeat comment for each subscriber, and it is also the watchdog: a subscriber whose stream has
 been blocked in the same socket write for a whole interval (the client stopped reading) is cut off
@@ -49,6 +57,40 @@ DEFAULT_HEARTBEAT = 15.0
 Item = tuple[Change | None, bytes]
 #: The heartbeat comment, queued like a change so the stream's one waiting point wakes for it.
 HEARTBEAT: Item = (None, b": heartbeat\n\n")
+#: Subscribers one loop turn of a fan-out pass serves; the pass goes on at the next turn. Small
+#: enough that a turn costs a few milliseconds, large enough that a pass costs few turns.
+FANOUT_SLICE = 128
+
+
+class Batch:
+    """The changes handed over together (in sequence order, never empty), with their SSE frames
+    joined once for all the streams that send them all (an unfiltered stream that is up to date,
+    the common case); or the ticker's heartbeat (:data:`HEARTBEAT_BATCH`)."""
+
+    __slots__ = ("_joined", "first", "items", "last")
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        first, last = items[0][0], items[-1][0]
+        #: The sequences of the first and the last change; 0 for a heartbeat, which has none (0 is
+        #: below every change's sequence, so no stream takes a heartbeat for new changes).
+        self.first = first.sequence if first is not None else 0
+        self.last = last.sequence if last is not None else 0
+        self._joined: bytes | None = None
+
+    def joined(self) -> bytes:
+        """Every frame of the batch, in order, as one bytes object (built on first use)."""
+        if self._joined is None:
+            self._joined = b"".join(frame for _, frame in self.items)
+        return self._joined
+
+
+#: The heartbeat, as the ticker hands it to a live stream's sink.
+HEARTBEAT_BATCH = Batch([HEARTBEAT])
+
+#: A live stream's way to take a batch at once: True when it wrote the batch (or had nothing of it to
+#: send), False when it cannot now (the batch is then queued for its task).
+Sink = Callable[[Batch], bool]
 
 
 class Subscription:
@@ -74,20 +116,31 @@ class Subscription:
         self._stuck_write: int | None = None
         #: Called when the ticker finds the stream stuck in a write (the stream aborts its connection).
         self.on_stuck: Callable[[], None] | None = None
+        #: Set by a live stream: takes a batch in the hub's pass while the stream's task is parked.
+        self.sink: Sink | None = None
 
     @property
     def pending(self) -> int:
         """Items waiting to be taken."""
         return len(self._items)
 
-    def offer_many(self, batch: list[Item]) -> None:
-        """Queue changes; a subscriber that would hold more than ``maxsize`` is cut off instead."""
+    def offer_many(self, batch: list[Item] | Batch) -> None:
+        """Hand changes over: straight to the stream's sink when its task is parked with nothing in
+        hand (so order is kept), else queued; a subscriber that would hold more than ``maxsize`` is
+        cut off instead."""
         if self.closed:
             return
-        if len(self._items) + len(batch) > self.maxsize:
+        if isinstance(batch, Batch):
+            sink = self.sink
+            if sink is not None and self._idle() and sink(batch):
+                return
+            items = batch.items
+        else:
+            items = batch
+        if len(self._items) + len(items) > self.maxsize:
             self.cut_off()
             return
-        self._items.extend(batch)
+        self._items.extend(items)
         self._wake()
 
     def cut_off(self) -> None:
@@ -114,9 +167,17 @@ class Subscription:
             self._stuck_write = self.writes
             return
         self._stuck_write = None
+        if self._idle() and self.sink is not None and self.sink(HEARTBEAT_BATCH):
+            return  # written at once, like a batch of changes
         if len(self._items) < self.maxsize:
             self._items.append(HEARTBEAT)
             self._wake()
+
+    def _idle(self) -> bool:
+        """Whether the stream's task is parked in :meth:`take` with nothing queued or in hand: only
+        then may the sink write, so what it writes comes after everything handed over before."""
+        waiter = self._waiter
+        return not self._items and waiter is not None and not waiter.done()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -175,9 +236,13 @@ class NotificationHub:
         # While a hole is being read from the history, later events wait here (see _on_event).
         self._filling = False
         self._waiting: list[Change] = []
-        # Changes passed on since the last hand-over to the subscribers (see _publish).
+        # Changes passed on since the last hand-over to the subscribers (see _publish), and the
+        # fan-out pass under way: its batch and the subscribers it has still to serve.
         self._batch: list[Item] = []
         self._flush_scheduled = False
+        self._pass: Batch | None = None
+        self._pass_left: list[Subscription] = []
+        self._pass_at = 0
 
     async def start(self) -> None:
         """Declare and bind this node's queue and start consuming."""
@@ -194,8 +259,13 @@ class NotificationHub:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat)
-            for sub in list(self._subscribers):
-                sub.tick()
+            # In slices, like a fan-out pass: the node's writes run between them.
+            subscribers = list(self._subscribers)
+            for start in range(0, len(subscribers), FANOUT_SLICE):
+                if start:
+                    await asyncio.sleep(0)
+                for sub in subscribers[start:start + FANOUT_SLICE]:
+                    sub.tick()
 
     async def close(self) -> None:
         """Stop consuming and end every subscription."""
@@ -221,6 +291,10 @@ class NotificationHub:
             yield sub
         finally:
             self._subscribers.discard(sub)
+            # A pass under way may still hold it: once the block is left, its sink must never write
+            # (the response may be finished), and nothing more is queued for it.
+            sub.sink = None
+            sub.closed = True
 
     @property
     def subscribers(self) -> int:
@@ -298,18 +372,46 @@ class NotificationHub:
     def _publish(self, change: Change) -> None:
         """Pass a change on. Changes are handed to the subscribers in one batch per turn of the
         event loop: every event that arrived in the same read from the broker goes out together,
-        so a node that is behind does one wake-up and one socket write per stream for many changes."""
+        so a node that is behind does one socket write per stream for many changes."""
         self.last_sequence = change.sequence
         self._batch.append((change, sse_frame(change)))
-        if not self._flush_scheduled:
+        if not self._flush_scheduled and self._pass is None:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        """Start a fan-out pass with every change waiting, over the subscribers of this moment.
+
+        One pass at a time, each over its own batch, so every subscriber gets the batches in order.
+        Changes published while a pass is under way wait for the next pass, which then carries them
+        all: a node that falls behind sends bigger batches, not more of them. A subscriber that
+        joins during a pass is not in it; it subscribed before reading the history, which holds
+        every change the hub passed on (each was committed before it was published)."""
         self._flush_scheduled = False
-        batch, self._batch = self._batch, []
-        for sub in list(self._subscribers):
+        if not self._batch:
+            return
+        self._pass = Batch(self._batch)
+        self._batch = []
+        self._pass_left, self._pass_at = list(self._subscribers), 0
+        self._fan_out()
+
+    def _fan_out(self) -> None:
+        """Serve the next :data:`FANOUT_SLICE` subscribers of the pass; the rest at the next loop
+        turn, after the I/O that became ready meanwhile (a write request is never queued behind a
+        whole pass)."""
+        batch, left, start = self._pass, self._pass_left, self._pass_at
+        assert batch is not None
+        end = self._pass_at = start + FANOUT_SLICE
+        for sub in left[start:end]:
             sub.offer_many(batch)
+        loop = asyncio.get_running_loop()
+        if end < len(left):
+            loop.call_soon(self._fan_out)
+            return
+        self._pass, self._pass_left = None, []
+        if self._batch:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
 
 
 def _envelope(event: ChangeEvent) -> dict[str, object]:

@@ -855,8 +855,11 @@ async def serve_raw(port: int) -> None:
 
 async def fanout_raw(args: argparse.Namespace, frame_size: int) -> FanoutRound:
     """One round of the baseline: a fresh raw server, N clients, frames at the rate, then the tally."""
+    # The SENT line lists every frame's send time: past 64 KiB (asyncio's default line limit) at
+    # rates above about 200/s for 20 s, so the reader's limit is raised.
     child = await asyncio.create_subprocess_exec(sys.executable, __file__, "--raw-server", "0",
-                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                 limit=16 * 1024 * 1024)
     assert child.stdin is not None and child.stdout is not None
     stdin, stdout = child.stdin, child.stdout
 

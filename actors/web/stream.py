@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 
 from actors.history import Change, bounded_page, conversation_of, head_sequence
-from actors.hub import Item, NotificationHub, Subscription, sse_frame
+from actors.hub import Batch, Item, NotificationHub, Subscription, sse_frame
 from actors.web.context import NODE
 from actors.web.export import check_lineage, identity_headers, node_identity
 from infra.db.pool import Target
@@ -59,6 +59,10 @@ LOOKUP: web.AppKey[ConversationLookup] = web.AppKey("conversation_lookup")
 WRITE_TIMEOUT = 10.0
 #: Most live changes one socket write carries when a stream has fallen behind.
 LIVE_BATCH = 256
+#: Bytes a live stream's socket may have waiting in its transport for the hub to still write a batch
+#: to it directly; beyond, the batch goes through the stream's task, whose write waits for the socket
+#: to drain (aiohttp's own threshold for that wait is 64 KiB written since the last drain).
+DIRECT_WRITE_LIMIT = 64 * 1024
 #: Times a stream restarts its catch-up because live events overflowed meanwhile.
 MAX_CATCH_UPS = 5
 #: Most changes, and most bytes of event text, one catch-up page holds (always at least one change).
@@ -83,6 +87,11 @@ class _Filters:
     types: frozenset[str] | None
     conversation: str | None
     kinds: frozenset[str] | None
+
+    @property
+    def unfiltered(self) -> bool:
+        """Whether every change passes."""
+        return self.types is None and self.conversation is None and self.kinds is None
 
     def match(self, change: Change) -> bool | None:
         """Whether ``change`` passes; None when only its conversation decides and the change
@@ -201,8 +210,13 @@ class _Stream:
     """One client's stream: sends each sequence above ``last`` once, in order."""
 
     def __init__(self, response: web.StreamResponse, filters: _Filters, last: int,
-                 lookup: ConversationLookup) -> None:
+                 lookup: ConversationLookup, transport: asyncio.Transport | None = None) -> None:
         self.response = response
+        #: The connection's transport, for :meth:`write_now` (None: every write goes through aiohttp).
+        self.transport = transport
+        #: Whether the body is in chunked transfer coding, as aiohttp chose it when the response was
+        #: prepared (HTTP/1.1 without a length; an HTTP/1.0 body just ends with the connection).
+        self.chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
         self.filters = filters
         self.last = last
         self.lookup = lookup
@@ -245,6 +259,48 @@ class _Stream:
         if out:
             await self.write(b"".join(out))
 
+    def write_now(self, batch: Batch) -> bool:
+        """The subscription's sink: write ``batch``'s frames for this stream to its socket at once,
+        in the hub's fan-out pass (no task wake-up, no coroutine per stream), and answer True; or
+        answer False, having changed nothing, when the batch must go through :meth:`changes` (the
+        socket is backed up or gone, the batch is more than :data:`LIVE_BATCH` changes, or a filter
+        needs a lookup).
+
+        Written on the transport, in HTTP/1.1 chunked framing when the response is chunked (as
+        aiohttp's own writer frames each ``write``): the response is prepared, its headers sent, and
+        nothing else writes to it meanwhile (the stream's task is parked in ``take``)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
+            return False
+        if len(batch.items) > LIVE_BATCH:
+            # A big batch (a hole filled from the history, a node far behind) goes through the
+            # task, LIVE_BATCH changes per write with aiohttp's drain between: the transport never
+            # holds more than what the task path would let it.
+            return False
+        last = self.last
+        if self.filters.unfiltered and batch.first > last:
+            data = batch.joined()  # the whole batch, joined once for every stream like this one
+            last = batch.last
+        else:
+            out: list[bytes] = []
+            for change, frame in batch.items:
+                if change is None:
+                    out.append(frame)  # a heartbeat
+                    continue
+                if change.sequence <= last:
+                    continue
+                verdict = self.filters.match(change)
+                if verdict is None:
+                    return False  # only the history knows: the task asks (ConversationLookup)
+                last = change.sequence
+                if verdict:
+                    out.append(frame)
+            data = b"".join(out)
+        self.last = last
+        if data:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        return True
+
     async def error(self, code: str) -> None:
         message, how = _ERRORS[code]
         body = orjson.dumps({"schema_version": 1, "error": {"code": code, "message": message,
@@ -284,7 +340,8 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no", "Connection": "keep-alive"})
     await response.prepare(request)
-    out = _Stream(response, filters, after if after is not None else 0, request.app[LOOKUP])
+    out = _Stream(response, filters, after if after is not None else 0, request.app[LOOKUP],
+                  transport=request.transport if not response.compression else None)
     try:
         await out.send("retry: 3000\n\n")
         for _ in range(MAX_CATCH_UPS):
@@ -329,11 +386,18 @@ async def _catch_up(db: Target, out: _Stream, metrics: Metrics) -> None:
 
 
 async def _live(sub: Subscription, out: _Stream) -> None:
-    while True:
-        items = await sub.take(LIVE_BATCH)
-        if items is None:
-            return
-        await out.changes(items)
+    # While this task is parked in take(), the hub writes batches through the sink itself; what it
+    # could not write (a backed-up socket, a filter needing a lookup) and heartbeats come here.
+    # The sink goes with the loop: once this returns, the response may be finished.
+    sub.sink = out.write_now
+    try:
+        while True:
+            items = await sub.take(LIVE_BATCH)
+            if items is None:
+                return
+            await out.changes(items)
+    finally:
+        sub.sink = None
 
 
 def _abort(request: web.Request) -> None:
