@@ -191,6 +191,8 @@ class _MemoryConsumer(Consumer):
         self._tasks: dict[asyncio.Task[None], _MemoryDelivery] = {}
         # Bounds handler concurrency even when a handler settles early and keeps running.
         self._slots = asyncio.Semaphore(prefetch)
+        #: Handlers started and not finished (what bounds a no-ack consumer).
+        self._running = 0
 
     @property
     def has_capacity(self) -> bool:
@@ -203,7 +205,7 @@ class _MemoryConsumer(Consumer):
 
     def deliver(self, stored: _Message) -> None:
         self.bus.stats.delivered += 1
-        if self.no_ack and len(self._tasks) >= self.prefetch:
+        if self.no_ack and self._running >= self.prefetch:
             # Every handler slot is busy and the message is already gone from the queue: dropped,
             # which the no-ack form allows (its consumer covers loss itself).
             self.bus.stats.extra["no_ack_dropped"] = self.bus.stats.extra.get("no_ack_dropped", 0) + 1
@@ -212,6 +214,7 @@ class _MemoryConsumer(Consumer):
         delivery = _MemoryDelivery(self, stored)
         if not self.no_ack:
             self.unsettled.add(delivery)
+        self._running += 1
         # A fresh context, as on RabbitMQ: nothing of the publisher's task (its trace id in
         # particular) may leak into the handler except through headers.
         task = asyncio.get_running_loop().create_task(
@@ -220,14 +223,18 @@ class _MemoryConsumer(Consumer):
         task.add_done_callback(self._tasks.pop)
 
     async def _run(self, delivery: _MemoryDelivery, stored: _Message) -> None:
-        if not self.active:
-            # Handed over just before cancel(): not ours to start any more (as on RabbitMQ; a
-            # no-ack delivery is simply gone).
-            await delivery.nack(requeue=True)
-            return
-        async with self._slots:
-            await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
-                                  queue=self.queue.name, log=log, reply=self.bus.reply)
+        try:
+            if not self.active:
+                # Handed over just before cancel(): not ours to start any more (as on RabbitMQ; a
+                # no-ack delivery is simply gone).
+                await delivery.nack(requeue=True)
+                return
+            async with self._slots:
+                await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
+                                      queue=self.queue.name, log=log, reply=self.bus.reply)
+        finally:
+            # Here rather than in a done callback: the slot is free the moment the handler is.
+            self._running -= 1
 
     def _settled(self, delivery: _MemoryDelivery) -> None:
         self.unsettled.discard(delivery)
