@@ -13,6 +13,8 @@ Topology (see docs/architecture.md)
     WORK queues are durable quorum queues with ``x-delivery-limit``, dead-lettered to ``tm.dead``
     with routing key = the queue name, at-least-once (which needs ``x-overflow: reject-publish``).
     NODE queues are exclusive, auto-delete, classic, with ``x-max-length`` and drop-head overflow.
+    A no-ack consumer (``consume(..., no_ack=True)``) is a ``basic.consume`` with ``no-ack``: its
+    deliveries carry no tag to settle, and its handler slots, not ``basic.qos``, bound it.
     WAKE queues are durable quorum queues with ``x-max-length`` and drop-head overflow, no dead letters.
 
 Delivery counts and dead letters
@@ -694,6 +696,9 @@ class _RabbitConsumer(Consumer):
         # are long (a web node feeding thousands of streams), that caps what it can consume far
         # below what it can handle. Unbounded here, on a channel of ours that nothing has used yet;
         # memory stays bounded by the prefetch (basic.qos), which limits unacknowledged deliveries.
+        # A no-ack consumer has no such limit from the broker: its channel's reader turns each
+        # message at once into a handler or a drop (_on_message), so what waits here is what the
+        # socket brought since the loop's last turn, and the broker's bounded queue holds the rest.
         # (The channel's reader is already waiting on that queue, so the bound is lifted in place.)
         if underlay.frames.maxsize:
             underlay.frames._maxsize = 0  # type: ignore[attr-defined]
