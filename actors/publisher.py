@@ -31,9 +31,11 @@ again; consumers deduplicate on the sequence (the notification hub does).
 Beside each window's events it publishes the whole window once more, as one
 :class:`~protocol.events.ChangeBatch` (split past 1 MiB) on the internal exchange
 ``tm.hub.<corpus_id>``, which only the notification hubs (and the archiver's wake-up queue) bind:
-a node then consumes one message per window instead of one per change. A batch that fails is not
-retried and does not hold the cursor back; its ``after`` field lets a hub see any hole a lost batch
-left and read it from the history.
+a node then consumes one message per window instead of one per change. Its publish is confirmed
+with the window's (concurrently), and a failed one fails the window like a failed event: retried
+from the cursor, so a hub is not left waiting for the next write to notice the hole. A batch lost
+after its confirm (a bounded node queue, a reconnect) shows up at the next one, whose ``after``
+field tells the hub exactly which hole to read from the history.
 """
 
 from __future__ import annotations
@@ -268,8 +270,12 @@ class EventPublisher(Actor):
                    for (event, _), row in zip(events, rows, strict=True)]
         *results, hub_result = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
                                                     self._send_hub_batches(after, changes), return_exceptions=True)
+        if isinstance(hub_result, BusError):
+            # The window is retried whole (its events too: at least once allows it): a lost batch is
+            # only noticed by a hub at the next batch, and on a quiet corpus there may be none soon.
+            return None, hub_result
         if isinstance(hub_result, BaseException):
-            raise hub_result  # not a bus failure (those are handled inside): a bug
+            raise hub_result
         confirmed: int | None = None
         for (event, _), result in zip(events, results, strict=True):
             if isinstance(result, BusError):
@@ -290,19 +296,16 @@ class EventPublisher(Actor):
 
     async def _send_hub_batches(self, after: int, changes: list[list[Any]]) -> None:
         """Publish the window to the hubs' exchange as one :class:`ChangeBatch` (more only past
-        1 MiB, in order). A failure is logged, never retried: the window's own events decide the
-        cursor, and a hub that misses a batch reads the hole when the next batch's ``after`` shows it."""
+        1 MiB, in order). A failure fails the window, which is then retried from the cursor."""
         assert self.scope is not None
         for batch in split_change_batches(self.scope.corpus_id, self.scope.lineage, after, changes):
             headers: dict[str, HeaderValue] = {**self.scope.headers(), HEADER_SEQUENCE: batch.changes[-1][0]}
             try:
                 await self.bus.publish(self.scope.hub_exchange, HUB_ROUTING_KEY, batch, headers=headers,
                                        timeout=self.publish_timeout)
-            except BusError as e:
+            except BusError:
                 self.failed_hub_batches += 1
-                self.log.info("publisher.hub_batch_failed", error=str(e), after=batch.after,
-                              detail="the hubs read the hole from the history")
-                return
+                raise
             self.hub_batches += 1
 
     def _decode(self, row: Any) -> ChangeEvent:
