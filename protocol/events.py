@@ -69,11 +69,11 @@ class ChangeBatch(BusMessage):
     (published on the internal exchange ``tm.hub.<corpus_id>``, never on ``tm.events``).
 
     ``changes`` holds ``[sequence, type, partition, envelope]`` per change, ascending, the envelope
-    being the stored text of the change history verbatim. ``after`` is the sequence the history
-    holds just below the first of them (the publisher's position before it): every change with a
-    sequence in ``(after, last]`` is in this message, so a consumer that passed on ``after`` or
-    more has no hole however sparse the sequences are, and one that passed on less knows exactly
-    which hole to read from the history.
+    being the stored text of the change history verbatim. ``after`` is the publisher's cursor before
+    them (or the last sequence of the previous part of a split window): the history holds no change
+    between it and the first of them, so every change with a sequence in ``(after, last]`` is in
+    this message. A consumer that passed on ``after`` or more has no hole however sparse the
+    sequences are, and one that passed on less knows exactly which hole to read from the history.
     """
 
     TYPE: ClassVar[str] = "corpus.change-batch"
