@@ -215,6 +215,35 @@ async def test_each_window_reaches_the_hubs_as_one_batch_and_tm_events_keeps_one
         [r["sequence"], r["type"], r["partition"], r["event"]] for r in rows]
 
 
+async def test_a_window_past_a_mebibyte_reaches_the_hubs_in_parts_each_below_it(stack: Stack) -> None:
+    from protocol.events import MAX_CHANGE_BATCH_BYTES
+
+    scope = stack.identity.scope
+    await stack.bus.declare_exchange(scope.hub_exchange)
+    batches = Received()
+    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
+    await stack.bus.bind(feed, scope.hub_exchange, "#")
+    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    alice = await stack.register()
+    cid = (await stack.conversation(alice, "big"))["conversation"]["id"]
+    for _ in range(24):  # ~60 KB envelopes: about 1.5 MB in one window
+        await stack.message(alice, cid, content="x" * 60_000)
+    rows = await history(stack.db)
+    start = await read_cursor(stack.db)
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-big",
+                                      poll_interval=60, window=100, batch_size=100)) as publisher:
+        async with asyncio.timeout(WAIT):
+            await publisher.wait_cursor(rows[-1]["sequence"])
+        await batches.until(lambda r: len(r.deliveries) >= publisher.hub_batches >= 2, "the window's parts")
+    messages = [d.message for d in batches.deliveries if isinstance(d.message, ChangeBatch)]
+    assert len(messages) == len(batches.deliveries) >= 2
+    after = start
+    for message in messages:
+        assert message.after == after and sum(len(c[3].encode()) for c in message.changes) <= MAX_CHANGE_BATCH_BYTES
+        after = message.changes[-1][0]
+    assert [c[0] for m in messages for c in m.changes] == [r["sequence"] for r in rows]
+
+
 async def test_polling_picks_up_changes_when_no_notification_comes(stack: Stack) -> None:
     async with stack.db.acquire() as conn:
         await conn.execute("alter table changes disable trigger changes_notify_publisher")
