@@ -1,7 +1,8 @@
 """Archiver: cuts the history into verified, hash-linked segments in object storage (SPEC §5).
 
 Consumes: wake-ups from its own durable queue ``tm.archiver.<corpus_id>`` bound to the corpus's
-event exchange (a bounded WAKE queue: the bodies are ignored, the change history is the truth), and
+internal hub exchange ``tm.hub.<corpus_id>``, one change batch per publisher window (a bounded WAKE
+queue: the bodies are ignored, the change history is the truth), and
 a periodic sweep in case a wake-up is lost or the bus is down. Every instance consumes and acks
 wake-ups; only the active one acts on them.
 
@@ -69,7 +70,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from infra.archive_store import ArchiveStore, ArchiveStoreError, CreateOnlyIgnored, ForkAlarm, ObjectNotFound
-from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec, declare_corpus_events
+from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.db import CorpusIdentity, Database
 from infra.db.lock_session import (
     LockLost,
@@ -368,8 +369,12 @@ class Archiver(Actor):
         scope = self.identity.scope
         queue = await self.bus.declare_queue(QueueSpec(wake_queue(scope.corpus_id), QueueKind.WAKE,
                                                        max_length=WAKE_QUEUE_LENGTH))
-        await declare_corpus_events(self.bus, scope.events_exchange)
-        await self.bus.bind(queue, scope.events_exchange, "#")
+        # Fed by the hubs' exchange: one wake-up per publisher window, not one per change (each a
+        # quorum-queue message). A queue of an older version is also bound on the event exchange:
+        # that binding goes (idempotent; False when there is none to remove).
+        await self.bus.declare_exchange(scope.hub_exchange)
+        await self.bus.bind(queue, scope.hub_exchange, "#")
+        await self.bus.unbind(queue, scope.events_exchange, "#")
         self._consumer = await self.bus.consume(queue, self._on_wake, prefetch=16)
 
     async def _on_wake(self, _delivery: Delivery) -> None:

@@ -1,19 +1,27 @@
-"""Notification hub: one per front (web and MCP) in each node, fanning the corpus's change events out
-to that front's subscribers (the web front's SSE streams; the MCP front's resource notifier).
+"""Notification hub: one per front (web and MCP) in each node, fanning the corpus's changes out to
+that front's subscribers (the web front's SSE streams; the MCP front's resource notifier).
 
 Consumes: a per-node queue (``QueueKind.NODE``: exclusive to this process, bounded, deleted with it)
-bound to every routing key of this node's corpus exchange ``tm.events.<corpus_id>``
-(:mod:`protocol.routing`), so events of other corpora sharing the broker never reach it. An event
-that still does (a misbinding, a hand-published event, a publisher of another history) is
-dead-lettered with the reason: its ``x-corpus-id`` / ``x-corpus-lineage`` headers and its envelope's
-``corpus_id`` / ``lineage`` must all be this node's.
-Does: keeps the events in strict sequence order without duplicates: an event at or below the last
-one it passed on is dropped (a publisher that took over republishes from its cursor), and when an
-event arrives past a hole it first reads the hole from the change history, so a subscriber never
-misses a change even if the node queue dropped some (it is bounded) or the bus reconnected.
-Sequences may legitimately have gaps; reading a hole that holds nothing costs one query.
-Emits: each change to every subscriber's bounded queue. A subscriber whose queue is full is cut off
-(``overflowed``), never allowed to grow memory; its stream tells the client to resume.
+bound to the corpus's internal hub exchange ``tm.hub.<corpus_id>`` (:mod:`protocol.routing`), on
+which the publisher puts one :class:`~protocol.events.ChangeBatch` per window of changes it
+publishes on ``tm.events``. It consumes without acks (the bus's no-ack form): a message is gone
+once delivered, and any that is lost (the queue is bounded, a reconnect, a batch the publisher
+failed to send, a delivery dropped while every handler slot was busy) is read back from the change
+history, which is the truth. Events of other corpora sharing the broker never reach it. A batch that
+still does (a misbinding, a hand-published one) is dead-lettered with the reason: its
+``x-corpus-id`` / ``x-corpus-lineage`` headers and its body's ``corpus_id`` / ``lineage`` must all be
+this node's (the publisher checked every envelope of it against the same identity).
+Does: keeps the changes in strict sequence order without duplicates: a change at or below the last
+one it passed on is dropped (a publisher that took over republishes from its cursor), and when a
+batch's ``after`` lies above the last sequence passed on, the hole between them is read from the
+change history first. Legitimate gaps in the sequences cost nothing: ``after`` says that no change
+lies between it and the batch's first. With no subscriber at all it only notes the last sequence:
+it builds no frames and reads no holes, because a subscriber reads the history after it subscribes
+(see :mod:`actors.web.stream`), so whatever reached the hub before is there.
+Emits: each change to every subscriber's bounded queue, with its SSE frame encoded once per change
+for every subscriber (only when a subscriber wants frames: the MCP notifier does not). A
+subscriber whose queue is full is cut off (``overflowed``), never allowed to grow memory; its stream
+tells the client to resume.
 
 Fan-out without waking a task per stream, and without holding the loop: the changes of one loop turn
 go out as one :class:`Batch` (their frames joined once), to at most :data:`FANOUT_SLICE` subscribers
@@ -39,12 +47,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from actors.history import Change, changes_after
-from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec, declare_corpus_events
+from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.db.pool import UNAVAILABLE_ERRORS, Target
 from infra.logs import get_logger
-from protocol.events import ChangeEvent
-from protocol.representations import dumps
-from protocol.routing import CorpusScope
+from protocol.errors import ProtocolDecodeError
+from protocol.events import ChangeBatch
+from protocol.routing import HUB_ROUTING_KEY, CorpusScope
 
 log = get_logger("toastmachine.actors.hub")
 
@@ -52,8 +60,16 @@ log = get_logger("toastmachine.actors.hub")
 DEFAULT_SUBSCRIBER_QUEUE = 1_000
 #: Seconds between heartbeat comments (SPEC §4: every 15 s).
 DEFAULT_HEARTBEAT = 15.0
+#: Batches handled at once (the no-ack consumer's handler slots): all but one return without
+#: awaiting, so this only bounds what arrives while a hole is read; a delivery past it is dropped
+#: and read back from the history like any lost batch.
+HANDLER_SLOTS = 64
+#: Batches (each at most 1 MiB of envelopes) that may wait behind a hole being read; past it the
+#: newest are dropped and only their last sequence is kept, to be read from the history too.
+MAX_WAITING = 64
 
-#: What a subscription's queue holds: a change (or None for a heartbeat) with its SSE bytes.
+#: What a subscription's queue holds: a change (or None for a heartbeat) with its SSE bytes (empty
+#: for a subscription that asked for no frames).
 Item = tuple[Change | None, bytes]
 #: The heartbeat comment, queued like a change so the stream's one waiting point wakes for it.
 HEARTBEAT: Item = (None, b": heartbeat\n\n")
@@ -102,8 +118,10 @@ class Subscription:
     (a wake-up and a socket write) shrinks exactly when it matters.
     """
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, frames: bool = True) -> None:
         self.maxsize = maxsize
+        #: Whether this subscriber reads the SSE frames (the MCP notifier only counts changes).
+        self.frames = frames
         self._items: collections.deque[Item] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         #: Set when the subscriber fell behind by more than its bound.
@@ -209,12 +227,12 @@ def sse_frame(change: Change) -> bytes:
 
 
 class NotificationHub:
-    """The per-node fan-out of this node's corpus's events.
+    """The per-node fan-out of this node's corpus's changes.
 
     Args:
-        bus: where the events come from.
+        bus: where the change batches come from.
         db: the change history, for filling holes.
-        scope: the corpus (and lineage) whose events this hub takes; None when the node's corpus
+        scope: the corpus (and lineage) whose changes this hub takes; None when the node's corpus
             identity check failed (it then consumes nothing: the stream is refused anyway).
         node_id: names this node's queue.
         subscriber_queue: changes a subscriber may have waiting before it is cut off.
@@ -232,17 +250,24 @@ class NotificationHub:
         self.subscriber_queue = subscriber_queue
         self.last_sequence: int | None = None
         self._subscribers: set[Subscription] = set()
+        #: Subscribers that read frames: with none, no change is encoded.
+        self._framed = 0
         self._consumer: Consumer | None = None
-        # While a hole is being read from the history, later events wait here (see _on_event).
+        # While a hole is being read from the history, later batches wait here (see _on_batch).
         self._filling = False
-        self._waiting: list[Change] = []
+        self._waiting: list[tuple[int, list[Change]]] = []
+        #: The highest sequence of a batch dropped from a full ``_waiting`` (read from the history).
+        self._dropped_upto: int | None = None
         # Changes passed on since the last hand-over to the subscribers (see _publish), and the
         # fan-out pass under way: its batch and the subscribers it has still to serve.
-        self._batch: list[Item] = []
+        self._batch: list[Change] = []
         self._flush_scheduled = False
         self._pass: Batch | None = None
         self._pass_left: list[Subscription] = []
         self._pass_at = 0
+        #: Change batches taken, and holes read from the history (for tests and diagnostics).
+        self.batches = 0
+        self.holes_read = 0
 
     async def start(self) -> None:
         """Declare and bind this node's queue and start consuming."""
@@ -250,11 +275,11 @@ class NotificationHub:
             log.error("hub.identity_unavailable", detail="the corpus identity check failed; consuming nothing")
             return
         name = await self.bus.declare_queue(self.queue_spec)
-        await declare_corpus_events(self.bus, self.scope.events_exchange)
-        await self.bus.bind(name, self.scope.events_exchange, "#")
-        self._consumer = await self.bus.consume(name, self._on_event, prefetch=256)
+        await self.bus.declare_exchange(self.scope.hub_exchange)
+        await self.bus.bind(name, self.scope.hub_exchange, "#")
+        self._consumer = await self.bus.consume(name, self._on_batch, prefetch=HANDLER_SLOTS, no_ack=True)
         self._ticker = asyncio.create_task(self._tick(), name="hub-heartbeat")
-        log.info("hub.consuming", queue=name)
+        log.info("hub.consuming", queue=name, exchange=self.scope.hub_exchange, routing_key=HUB_ROUTING_KEY)
 
     async def _tick(self) -> None:
         while True:
@@ -283,14 +308,17 @@ class NotificationHub:
         self._subscribers.clear()
 
     @contextlib.asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[Subscription]:
-        """A subscription for the duration of the block."""
-        sub = Subscription(self.subscriber_queue)
+    async def subscribe(self, *, frames: bool = True) -> AsyncIterator[Subscription]:
+        """A subscription for the duration of the block; ``frames=False`` for a subscriber that
+        never reads the SSE frames (its items carry empty bytes)."""
+        sub = Subscription(self.subscriber_queue, frames)
         self._subscribers.add(sub)
+        self._framed += frames
         try:
             yield sub
         finally:
             self._subscribers.discard(sub)
+            self._framed -= frames
             # A pass under way may still hold it: once the block is left, its sink must never write
             # (the response may be finished), and nothing more is queued for it.
             sub.sink = None
@@ -300,81 +328,111 @@ class NotificationHub:
     def subscribers(self) -> int:
         return len(self._subscribers)
 
-    async def _on_event(self, delivery: Delivery) -> None:
-        """Pass an event on in sequence order.
+    async def _on_batch(self, delivery: Delivery) -> None:
+        """Pass a batch's changes on in sequence order.
 
-        The common case (the next sequence, or a duplicate) is handled without awaiting anything,
-        so no lock is needed and a burst of deliveries is handled in one turn of the event loop: a
-        lock would hand itself from waiter to waiter one loop turn each, and on a node busy with
+        The common case (no hole, or only duplicates) is handled without awaiting anything, so no
+        lock is needed and a burst of deliveries is handled in one turn of the event loop: a lock
+        would hand itself from waiter to waiter one loop turn each, and on a node busy with
         thousands of streams a loop turn is long. Only a hole awaits (reading it from the history);
-        events arriving meanwhile wait in order behind it.
+        batches arriving meanwhile wait in order behind it.
         """
-        event = delivery.message
-        if not isinstance(event, ChangeEvent):
-            return  # not ours to fan out; acked and forgotten (the node queue is ours alone)
+        batch = delivery.message
+        if not isinstance(batch, ChangeBatch):
+            return  # not ours to fan out (the queue is ours alone; no-ack: it is gone)
         assert self.scope is not None  # a hub without a scope consumes nothing
-        refusal = self.scope.refusal(delivery.headers, corpus_id=event.corpus_id, lineage=event.lineage)
+        refusal = self.scope.refusal(delivery.headers, corpus_id=batch.corpus_id, lineage=batch.lineage)
         if refusal is not None:
-            # Passing it on would show this node's streams another corpus's change under this
-            # corpus's sequence numbers (and the hole filling would hide it as a duplicate later).
-            log.warning("hub.foreign_event", sequence=event.sequence, reason=refusal)
+            # Passing it on would show this node's streams another corpus's changes under this
+            # corpus's sequence numbers (and the hole filling would hide them as duplicates later).
+            log.warning("hub.foreign_batch", after=batch.after, reason=refusal)
             await delivery.dead_letter(refusal)
             return
-        change = Change(event.sequence, event.type, event.partition, dumps(_envelope(event)).decode())
+        changes = _changes_of(batch)  # ProtocolDecodeError: dead-lettered with the reason
+        self.batches += 1
         if self._filling:
-            self._waiting.append(change)
+            self._wait(batch.after, changes)
             return
-        last = self.last_sequence
-        if last is None or change.sequence == last + 1:
-            self._publish(change)
-        elif change.sequence > last + 1:
-            await self._after_hole(change)
-        # else: a duplicate (republished after a publisher take-over, or redelivered)
+        if not self._take(batch.after, changes):
+            await self._after_hole(batch.after, changes)
 
-    async def _after_hole(self, change: Change) -> None:
-        """Fill the hole below ``change``, pass it on, then everything that arrived meanwhile."""
+    def _wait(self, after: int, changes: list[Change]) -> None:
+        if len(self._waiting) < MAX_WAITING:
+            self._waiting.append((after, changes))
+            return
+        # Bounded: keep only where it ended; the history holds the rest (read after this hole).
+        upto = changes[-1].sequence if changes else after
+        self._dropped_upto = upto if self._dropped_upto is None else max(self._dropped_upto, upto)
+
+    def _take(self, after: int, changes: list[Change]) -> bool:
+        """Pass on what needs no reading; False (nothing done) when a hole must be read first."""
+        last = self.last_sequence
+        if not changes or (last is not None and changes[-1].sequence <= last):
+            return True  # duplicates (republished after a publisher take-over)
+        if not self._subscribers:
+            # Nobody to tell: a subscriber that comes later reads all of this from the history.
+            self.last_sequence = changes[-1].sequence
+            return True
+        if last is not None and after > last:
+            return False
+        for change in changes:
+            if last is None or change.sequence > last:
+                self._publish(change)
+        return True
+
+    async def _after_hole(self, after: int, changes: list[Change]) -> None:
+        """Fill the hole below ``changes``, pass them on, then every batch that arrived meanwhile."""
         self._filling = True
         try:
-            pending = [change]
+            pending = [(after, changes)]
             while pending:
-                current = pending.pop(0)
+                after, changes = pending.pop(0)
                 last = self.last_sequence
-                if last is not None and current.sequence <= last:
-                    continue  # a duplicate
-                if last is not None and current.sequence > last + 1:
-                    await self._fill(last, current.sequence)
-                self._publish(current)
+                if last is not None and after > last and self._subscribers:
+                    await self._fill(last, after)
+                # Past the hole, or past a hole that could not be read (its subscribers were cut
+                # off, and resume from the history): the batch itself goes on now.
+                last = self.last_sequence
+                self._take(after if last is None else min(after, last), changes)
                 if not pending and self._waiting:
-                    pending, self._waiting = sorted(self._waiting, key=lambda c: c.sequence), []
+                    pending, self._waiting = sorted(self._waiting, key=lambda b: b[0]), []
+                if not pending and self._dropped_upto is not None:
+                    # Batches were dropped while waiting: everything up to the last of them is in
+                    # the history; read it as a hole below an empty batch.
+                    pending, self._dropped_upto = [(self._dropped_upto, [])], None
         finally:
             self._filling = False
 
-    async def _fill(self, last: int, upto: int) -> None:
-        """Pass on the changes strictly between ``last`` and ``upto`` from the history."""
+    async def _fill(self, last: int, through: int) -> None:
+        """Pass on the changes after ``last`` up to and including ``through`` from the history."""
+        self.holes_read += 1
         after = last
-        while after < upto - 1:
+        while after < through:
             try:
-                page = await changes_after(self.db, after, limit=min(1000, upto - 1 - after))
+                page = await changes_after(self.db, after, limit=min(1000, through - after))
             except UNAVAILABLE_ERRORS as e:
                 # Without the database the hole cannot be checked: cut the subscribers off so that
                 # each resumes from its last sequence (and catches up) instead of missing changes.
-                log.warning("hub.hole_unreadable", after=after, upto=upto, error=repr(e))
+                log.warning("hub.hole_unreadable", after=after, through=through, error=repr(e))
                 for sub in list(self._subscribers):
                     sub.cut_off()
                 return
-            page = [c for c in page if c.sequence < upto]
-            if not page:
-                return
+            page = [c for c in page if c.sequence <= through]
             for change in page:
                 self._publish(change)
+            if len(page) < min(1000, through - after):
+                break  # the history holds nothing more up to ``through``
             after = page[-1].sequence
+        # Every change up to ``through`` was passed on (sequences may have gaps up to it).
+        if self.last_sequence is None or self.last_sequence < through:
+            self.last_sequence = through
 
     def _publish(self, change: Change) -> None:
         """Pass a change on. Changes are handed to the subscribers in one batch per turn of the
-        event loop: every event that arrived in the same read from the broker goes out together,
+        event loop: every batch that arrived in the same read from the broker goes out together,
         so a node that is behind does one socket write per stream for many changes."""
         self.last_sequence = change.sequence
-        self._batch.append((change, sse_frame(change)))
+        self._batch.append(change)
         if not self._flush_scheduled and self._pass is None:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -390,8 +448,13 @@ class NotificationHub:
         self._flush_scheduled = False
         if not self._batch:
             return
-        self._pass = Batch(self._batch)
-        self._batch = []
+        changes, self._batch = self._batch, []
+        if not self._subscribers:
+            return
+        # Encoded here, once for every subscriber, and only when one of them reads frames.
+        items: list[Item] = ([(c, sse_frame(c)) for c in changes] if self._framed
+                             else [(c, b"") for c in changes])
+        self._pass = Batch(items)
         self._pass_left, self._pass_at = list(self._subscribers), 0
         self._fan_out()
 
@@ -414,7 +477,22 @@ class NotificationHub:
             loop.call_soon(self._flush)
 
 
-def _envelope(event: ChangeEvent) -> dict[str, object]:
-    return {"schema_version": event.schema_version, "sequence": event.sequence, "type": event.type,
-            "partition": event.partition, "corpus_id": event.corpus_id, "lineage": event.lineage,
-            "occurred_at": event.occurred_at, "data": event.data}
+def _changes_of(batch: ChangeBatch) -> list[Change]:
+    """The batch's changes, checked: ``[sequence, type, partition, envelope]`` each, ascending above
+    ``after`` (the codec only checks the fields' names, not what the list holds)."""
+    out: list[Change] = []
+    previous = batch.after
+    if not isinstance(previous, int) or isinstance(previous, bool):
+        raise ProtocolDecodeError("a change batch's after is not an integer")
+    for entry in batch.changes:
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise ProtocolDecodeError("a change batch entry is not [sequence, type, partition, envelope]")
+        sequence, type_, partition, event = entry
+        if not (isinstance(sequence, int) and not isinstance(sequence, bool) and isinstance(type_, str)
+                and isinstance(partition, int) and not isinstance(partition, bool) and isinstance(event, str)):
+            raise ProtocolDecodeError("a change batch entry is not [sequence, type, partition, envelope]")
+        if sequence <= previous:
+            raise ProtocolDecodeError(f"a change batch's sequences do not ascend above after ({sequence} <= {previous})")
+        out.append(Change(sequence, type_, partition, event))
+        previous = sequence
+    return out

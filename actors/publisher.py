@@ -27,6 +27,15 @@ the publisher (it is never published under this corpus's name). A publisher whos
 corpus identity check publishes nothing. A publisher that dies between a confirm and the
 cursor update, or loses its lock mid-window, leaves events that the next active one publishes
 again; consumers deduplicate on the sequence (the notification hub does).
+
+Beside each window's events it publishes the whole window once more, as one
+:class:`~protocol.events.ChangeBatch` (split past 1 MiB) on the internal exchange
+``tm.hub.<corpus_id>``, which only the notification hubs (and the archiver's wake-up queue) bind:
+a node then consumes one message per window instead of one per change. Its publish is confirmed
+with the window's (concurrently), and a failed one fails the window like a failed event: retried
+from the cursor, so a hub is not left waiting for the next write to notice the hole. A batch lost
+after its confirm (a bounded node queue, a reconnect) shows up at the next one, whose ``after``
+field tells the hub exactly which hole to read from the history.
 """
 
 from __future__ import annotations
@@ -54,8 +63,9 @@ from infra.logs import TRACE_HEADER
 from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
 from protocol.errors import BusError, BusUnavailable, ProtocolDecodeError, ToastMachineError
-from protocol.events import ChangeEvent, event_headers
+from protocol.events import HEADER_SEQUENCE, ChangeEvent, event_headers, split_change_batches
 from protocol.messages import decode_message
+from protocol.routing import HUB_ROUTING_KEY
 
 T = TypeVar("T")
 
@@ -152,6 +162,9 @@ class EventPublisher(Actor):
         self.activations = 0
         #: Windows that were not fully confirmed (retried from the cursor after a back-off).
         self.failed_windows = 0
+        #: Change batches published to the hubs' exchange, and those that failed (not retried).
+        self.hub_batches = 0
+        self.failed_hub_batches = 0
         self._wake = asyncio.Event()
         self._cursor_moved = asyncio.Event()
 
@@ -216,7 +229,7 @@ class EventPublisher(Actor):
                 continue
             for start in range(0, len(rows), self.window):
                 window = rows[start:start + self.window]
-                confirmed, error = await self._guard(session, self._publish_window(window))
+                confirmed, error = await self._guard(session, self._publish_window(cursor, window))
                 if confirmed is not None:
                     await self._guard(session, conn.execute(_ADVANCE_CURSOR, confirmed))
                     cursor = confirmed
@@ -233,25 +246,36 @@ class EventPublisher(Actor):
                 if self._stop_requested.is_set():
                     break
 
-    async def _publish_window(self, rows: list[Any]) -> tuple[int | None, BaseException | None]:
-        """Publish ``rows`` concurrently; return the highest sequence of the confirmed prefix and
-        the first failure (None when all were confirmed)."""
+    async def _publish_window(self, after: int, rows: list[Any]) -> tuple[int | None, BaseException | None]:
+        """Publish ``rows`` (the changes after ``after``) concurrently, and their hub batch beside
+        them; return the highest sequence of the confirmed prefix and the first failure (None when
+        all were confirmed)."""
         events = [(self._decode(row), row["trace_id"]) for row in rows]
+        assert self.scope is not None
         if not self._exchange_ready:
             # Here rather than at start-up: the publisher starts (and stands by) while the broker is
             # down, and a failed declaration is retried from the cursor like a failed publish.
-            assert self.scope is not None
             try:
                 async with asyncio.timeout(self.publish_timeout):
                     await declare_corpus_events(self.bus, self.scope.events_exchange)
+                    await self.bus.declare_exchange(self.scope.hub_exchange)
             except TimeoutError:
                 return None, BusUnavailable(f"declaring {self.scope.events_exchange!r} took over "
                                             f"{self.publish_timeout}s")
             except BusError as e:
                 return None, e
             self._exchange_ready = True
-        results = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
-                                       return_exceptions=True)
+        # The stored text, not the decoded event: the hubs hand subscribers the history's own bytes.
+        changes = [[event.sequence, event.type, event.partition, row["event"]]
+                   for (event, _), row in zip(events, rows, strict=True)]
+        *results, hub_result = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
+                                                    self._send_hub_batches(after, changes), return_exceptions=True)
+        if isinstance(hub_result, BusError):
+            # The window is retried whole (its events too: at least once allows it): a lost batch is
+            # only noticed by a hub at the next batch, and on a quiet corpus there may be none soon.
+            return None, hub_result
+        if isinstance(hub_result, BaseException):
+            raise hub_result
         confirmed: int | None = None
         for (event, _), result in zip(events, results, strict=True):
             if isinstance(result, BusError):
@@ -269,6 +293,20 @@ class EventPublisher(Actor):
         await self.bus.publish(self.scope.events_exchange, event.routing_key, event, headers=headers,
                                message_id=event.message_id, timeout=self.publish_timeout)
         self.published += 1
+
+    async def _send_hub_batches(self, after: int, changes: list[list[Any]]) -> None:
+        """Publish the window to the hubs' exchange as one :class:`ChangeBatch` (more only past
+        1 MiB, in order). A failure fails the window, which is then retried from the cursor."""
+        assert self.scope is not None
+        for batch in split_change_batches(self.scope.corpus_id, self.scope.lineage, after, changes):
+            headers: dict[str, HeaderValue] = {**self.scope.headers(), HEADER_SEQUENCE: batch.changes[-1][0]}
+            try:
+                await self.bus.publish(self.scope.hub_exchange, HUB_ROUTING_KEY, batch, headers=headers,
+                                       timeout=self.publish_timeout)
+            except BusError:
+                self.failed_hub_batches += 1
+                raise
+            self.hub_batches += 1
 
     def _decode(self, row: Any) -> ChangeEvent:
         event = self._decode_row(row)

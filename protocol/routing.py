@@ -8,7 +8,10 @@ derived from the corpus id:
   by the corpus's own writer queue ``tm.commands.writer.<corpus_id>`` bound ``<corpus_id>.#``;
 * events: published on the corpus's own topic exchange ``tm.events.<corpus_id>``
   (:func:`events_exchange`), which is bound exchange-to-exchange into ``tm.events`` with ``#``, so
-  ``tm.events`` still carries every event of every corpus with routing key ``<type>.<partition>``.
+  ``tm.events`` still carries every event of every corpus with routing key ``<type>.<partition>``;
+* the hubs' feed: one :class:`~protocol.events.ChangeBatch` per publisher window on the corpus's
+  internal exchange ``tm.hub.<corpus_id>`` (:func:`hub_exchange`), bound nowhere else, so
+  integrations binding ``tm.events`` see one message per change and nothing of it.
 
 Names keep foreign traffic out of a consumer's queue; :meth:`CorpusScope.refusal` is the check every
 consumer still applies to what it takes (a misbinding, a hand-published message or a node whose
@@ -30,6 +33,11 @@ LEGACY_WRITER_QUEUE = "tm.commands.writer"
 WRITER_QUEUE_PREFIX = "tm.commands.writer."
 #: Prefix of every corpus's event exchange; the corpus id follows.
 EVENTS_EXCHANGE_PREFIX = "tm.events."
+
+#: Prefix of every corpus's internal hub-feed exchange; the corpus id follows.
+HUB_EXCHANGE_PREFIX = "tm.hub."
+#: The routing key of every :class:`~protocol.events.ChangeBatch` on it (hubs bind ``#``).
+HUB_ROUTING_KEY = "batch"
 
 #: Most characters of a foreign identity quoted back in a reason (headers are the sender's text).
 _QUOTE_LIMIT = 64
@@ -61,6 +69,11 @@ class CorpusScope:
     def events_exchange(self) -> str:
         """This corpus's event exchange: ``tm.events.<corpus_id>``."""
         return events_exchange(self.corpus_id)
+
+    @property
+    def hub_exchange(self) -> str:
+        """This corpus's internal exchange feeding the notification hubs: ``tm.hub.<corpus_id>``."""
+        return hub_exchange(self.corpus_id)
 
     def command_key(self, operation: str) -> str:
         """The routing key of a command of this corpus: ``<corpus_id>.<operation>``."""
@@ -99,6 +112,11 @@ def command_key(corpus_id: str, operation: str) -> str:
 def events_exchange(corpus_id: str) -> str:
     """``tm.events.<corpus_id>``: where the corpus's publisher publishes its events."""
     return EVENTS_EXCHANGE_PREFIX + corpus_id
+
+
+def hub_exchange(corpus_id: str) -> str:
+    """``tm.hub.<corpus_id>``: where the corpus's publisher publishes one change batch per window."""
+    return HUB_EXCHANGE_PREFIX + corpus_id
 
 
 def _quote(value: object) -> str:

@@ -573,6 +573,93 @@ async def test_node_queue_drops_the_oldest_past_its_max_length(bus: Bus) -> None
         await stop(consumer)
 
 
+# --- the no-ack form ------------------------------------------------------------------------------
+
+
+async def test_a_no_ack_consumer_never_gets_a_message_again_and_its_errors_are_only_logged(bus: Bus) -> None:
+    """Once delivered the message is gone: a failing handler gets nothing back, and the settling
+    calls the ack policy makes are no-ops (on RabbitMQ a basic.ack of a no-ack delivery would
+    close the channel, and the sentinel would never come)."""
+    q = await node_queue(bus)
+
+    async def fail_once(d: Delivery) -> None:
+        if isinstance(d.message, Probe) and d.message.n == 1:
+            raise RuntimeError("a handler bug")
+
+    inbox = Inbox(fail_once)
+    consumer = await bus.consume(q, inbox, prefetch=4, no_ack=True)
+    try:
+        for n in (1, 2):
+            await bus.publish("", q, Probe(n=n))
+        await bus.publish("", q, Probe(n=SENTINEL))
+        await inbox.wait_for_probe(SENTINEL)
+        assert sorted(inbox.numbers) == [SENTINEL, 1, 2]
+        assert all(d.delivery_count == 1 and not d.redelivered for d in inbox.items)
+        await bus.publish("", q, Probe(n=SENTINEL - 1))
+        await inbox.wait_for_probe(SENTINEL - 1)
+        assert sorted(inbox.numbers) == [SENTINEL - 1, SENTINEL, 1, 2]
+    finally:
+        await stop(consumer)
+
+
+async def test_a_no_ack_consumer_still_dead_letters_with_the_reason(bus: Bus) -> None:
+    q = await node_queue(bus)
+    dead = await dead_letters_of(bus, q)
+
+    async def reject(d: Delivery) -> None:
+        if isinstance(d.message, Probe) and d.message.n == 3:
+            raise ProtocolDecodeError("field n out of range")
+
+    inbox = Inbox(reject)
+    consumer = await bus.consume(q, inbox, no_ack=True)
+    try:
+        await bus.publish_raw("", q, b"{not json", Probe.TYPE)  # type: ignore[attr-defined]
+        await bus.publish("", q, Probe(n=3))
+        letters = []
+        for _ in range(2):
+            raw = await bus.fetch_raw(dead, timeout=WAIT)  # type: ignore[attr-defined]
+            assert raw is not None
+            letters.append(raw)
+        reasons = [str(r.headers[DEAD_REASON_HEADER]) for r in letters]
+        assert any("not valid JSON" in r for r in reasons) and "field n out of range" in reasons, reasons
+        assert inbox.numbers == [3]
+    finally:
+        await stop(consumer)
+
+
+async def test_a_no_ack_consumer_drops_what_arrives_while_every_handler_slot_is_busy(bus: Bus) -> None:
+    """``prefetch`` bounds the handlers of a no-ack consumer; a delivery past it is dropped and
+    counted, never queued without bound in the process."""
+    q = await node_queue(bus)
+    release, finished = asyncio.Event(), asyncio.Event()
+
+    async def block_on_first(d: Delivery) -> None:
+        if isinstance(d.message, Probe) and d.message.n == 0:
+            await release.wait()
+            finished.set()  # the handler returns without awaiting again: its slot is free next
+
+    inbox = Inbox(block_on_first)
+    consumer = await bus.consume(q, inbox, prefetch=1, no_ack=True)
+    dropped_before = bus.stats.extra.get("no_ack_dropped", 0)
+    try:
+        await bus.publish("", q, Probe(n=0))
+        await inbox.wait_for_probe(0)
+        for n in (1, 2):
+            await bus.publish("", q, Probe(n=n))
+        # Nothing signals a drop but the counter: wait for it (bounded), then free the slot.
+        async with asyncio.timeout(WAIT):
+            while bus.stats.extra.get("no_ack_dropped", 0) < dropped_before + 2:
+                await asyncio.sleep(0.01)
+        release.set()
+        await finished.wait()
+        await bus.publish("", q, Probe(n=SENTINEL))
+        await inbox.wait_for_probe(SENTINEL)
+        assert inbox.numbers == [0, SENTINEL]
+    finally:
+        release.set()
+        await stop(consumer)
+
+
 # --- lifecycle -----------------------------------------------------------------------------------
 
 

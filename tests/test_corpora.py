@@ -4,8 +4,8 @@ Two deployments of the Procfile's processes (web, writer, publisher each), with 
 PostgreSQL databases, share ONE RabbitMQ virtual host, as two operators sharing a broker would. Each
 node's commands reach only its own writers, each hub and each integration queue bound as the README
 says (``tm.events.<corpus_id>``) sees only its own corpus's events, while ``tm.events`` still carries
-both. A foreign command or event put on the broker by hand is refused and kept, with the reason, in
-``tm.dead.letters``.
+both. A foreign command or change batch (what the hubs consume, on ``tm.hub.<corpus_id>``) put on the
+broker by hand is refused and kept, with the reason, in ``tm.dead.letters``.
 
 Before corpus-bound names, both writers competed for the one queue ``tm.commands.writer``: half of
 each node's writes reached the other corpus's writer, which answered 500 (its database does not
@@ -209,11 +209,14 @@ async def test_a_foreign_command_and_a_foreign_event_are_dead_lettered_with_the_
                 event = {"schema_version": 1, "sequence": 1, "type": "conversation.created", "partition": 0,
                          "corpus_id": stranger, "lineage": lineage, "occurred_at": "2026-01-01T00:00:00Z",
                          "data": {"conversation": {"subject": "smuggled"}}}
-                events = await channel.get_exchange(f"tm.events.{corpus}")
-                await events.publish(aio_pika.Message(
-                    orjson.dumps(event), type="corpus.event", content_type="application/json",
+                # What the hubs consume: a change batch on the corpus's internal hub exchange.
+                batch = {"corpus_id": stranger, "lineage": lineage, "after": 0,
+                         "changes": [[1, "conversation.created", 0, orjson.dumps(event).decode()]]}
+                hub_feed = await channel.get_exchange(f"tm.hub.{corpus}")
+                await hub_feed.publish(aio_pika.Message(
+                    orjson.dumps(batch), type="corpus.change-batch", content_type="application/json",
                     headers={"x-corpus-id": stranger, "x-corpus-lineage": lineage, "x-corpus-sequence": 1}),
-                    routing_key="conversation.created.0")
+                    routing_key="batch")
                 async with callback.iterator() as replies, asyncio.timeout(WAIT):
                     async for reply in replies:
                         answer = orjson.loads(reply.body)
@@ -225,12 +228,12 @@ async def test_a_foreign_command_and_a_foreign_event_are_dead_lettered_with_the_
 
             dead = await _dead_letters(own_vhost, 2)
             by_type = {m.type: m for m in dead}
-            assert set(by_type) == {"corpus.write", "corpus.event"}
+            assert set(by_type) == {"corpus.write", "corpus.change-batch"}
             for message in dead:
                 reason = str((message.headers or {}).get("x-tm-dead-reason"))
                 assert reason.startswith("foreign message: x-corpus-id is") and stranger in reason, reason
             assert (by_type["corpus.write"].headers or {}).get("x-tm-dead-queue") == f"tm.commands.writer.{corpus}"
-            assert str((by_type["corpus.event"].headers or {}).get("x-tm-dead-queue")).startswith("tm.hub.")
+            assert str((by_type["corpus.change-batch"].headers or {}).get("x-tm-dead-queue")).startswith("tm.hub.")
             assert await sequences(database_url) == []
 
             # The stream saw nothing of it: the next frame is a real write's.

@@ -31,7 +31,7 @@ import pytest
 from actors.publisher import EventPublisher, active_publisher, application_name, read_cursor
 from infra.bus.base import EVENTS_EXCHANGE, Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.bus.rabbitmq import RabbitBus
-from protocol.events import ChangeEvent
+from protocol.events import ChangeBatch, ChangeEvent
 from protocol.messages import encode_message
 from tests.bus_fixtures import cleanup_rabbit, unique_name
 from tests.corpus_fixtures import Agent, Stack
@@ -165,6 +165,83 @@ async def test_every_change_is_published_in_order_with_its_envelope_and_headers(
         assert row["trace_id"] and delivery.headers["x-trace-id"] == row["trace_id"]
         # The body is the stored envelope, byte for byte.
         assert encode_message(event)[1] == row["event"].encode()
+
+
+async def test_each_window_reaches_the_hubs_as_one_batch_and_tm_events_keeps_one_message_per_change(
+        stack: Stack) -> None:
+    """Beside its events, the publisher sends each window once more, whole, to the hubs' internal
+    exchange: one ``ChangeBatch`` per window, the stored envelopes verbatim, each ``after`` the end of
+    the one before. ``tm.events`` is unchanged: one message per change, nothing of the batches."""
+    scope = stack.identity.scope
+    await stack.bus.declare_exchange(scope.hub_exchange)
+    batches = Received()
+    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
+    await stack.bus.bind(feed, scope.hub_exchange, "#")
+    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    events, _ = await bind_queue(stack.bus, "#")
+    await write_some(stack, 10)  # a backlog: read at once, published in windows of 5
+    backlog = len(await history(stack.db))
+    start = await read_cursor(stack.db)
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-batches",
+                                      poll_interval=60, window=5, batch_size=100)) as publisher:
+        windows = [5] * (backlog // 5) + ([backlog % 5] if backlog % 5 else [])
+        await batches.until(lambda r: len(r.deliveries) >= len(windows), "the backlog's batches")
+        await write_some(stack, 3)  # live: woken by NOTIFY, windows of whatever each read finds
+        rows = await history(stack.db)
+        async with asyncio.timeout(WAIT):
+            await publisher.wait_cursor(rows[-1]["sequence"])
+        await events.until(lambda r: len(r.deliveries) >= len(rows), "every change on tm.events")
+
+        def fed(r: Received) -> int:
+            return sum(len(d.message.changes) for d in r.deliveries if isinstance(d.message, ChangeBatch))
+
+        await batches.until(lambda r: fed(r) >= len(rows), "every change in a batch")
+        published = publisher.hub_batches
+    assert events.sequences == [r["sequence"] for r in rows]  # ChangeEvents only, one per change
+    messages = [d.message for d in batches.deliveries if isinstance(d.message, ChangeBatch)]
+    assert len(messages) == len(batches.deliveries)  # nothing but change batches on the hubs' exchange
+    assert len(messages) == published and publisher.failed_hub_batches == 0
+    assert [len(m.changes) for m in messages[:len(windows)]] == windows  # one batch per window
+    after = start
+    for delivery, message in zip(batches.deliveries, messages, strict=True):
+        assert isinstance(message, ChangeBatch)
+        assert (message.corpus_id, message.lineage, message.after) == (scope.corpus_id, scope.lineage, after)
+        assert delivery.exchange == scope.hub_exchange and delivery.routing_key == "batch"
+        assert delivery.headers["x-corpus-id"] == scope.corpus_id
+        assert delivery.headers["x-corpus-lineage"] == scope.lineage
+        assert delivery.headers["x-corpus-sequence"] == message.changes[-1][0]
+        after = message.changes[-1][0]
+    assert [c for m in messages for c in m.changes] == [
+        [r["sequence"], r["type"], r["partition"], r["event"]] for r in rows]
+
+
+async def test_a_window_past_a_mebibyte_reaches_the_hubs_in_parts_each_below_it(stack: Stack) -> None:
+    from protocol.events import MAX_CHANGE_BATCH_BYTES
+
+    scope = stack.identity.scope
+    await stack.bus.declare_exchange(scope.hub_exchange)
+    batches = Received()
+    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
+    await stack.bus.bind(feed, scope.hub_exchange, "#")
+    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    alice = await stack.register()
+    cid = (await stack.conversation(alice, "big"))["conversation"]["id"]
+    for _ in range(24):  # ~60 KB envelopes: about 1.5 MB in one window
+        await stack.message(alice, cid, content="x" * 60_000)
+    rows = await history(stack.db)
+    start = await read_cursor(stack.db)
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-big",
+                                      poll_interval=60, window=100, batch_size=100)) as publisher:
+        async with asyncio.timeout(WAIT):
+            await publisher.wait_cursor(rows[-1]["sequence"])
+        await batches.until(lambda r: len(r.deliveries) >= publisher.hub_batches >= 2, "the window's parts")
+    messages = [d.message for d in batches.deliveries if isinstance(d.message, ChangeBatch)]
+    assert len(messages) == len(batches.deliveries) >= 2
+    after = start
+    for message in messages:
+        assert message.after == after and sum(len(c[3].encode()) for c in message.changes) <= MAX_CHANGE_BATCH_BYTES
+        after = message.changes[-1][0]
+    assert [c[0] for m in messages for c in m.changes] == [r["sequence"] for r in rows]
 
 
 async def test_polling_picks_up_changes_when_no_notification_comes(stack: Stack) -> None:

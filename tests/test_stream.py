@@ -1,8 +1,8 @@
 """``GET /corpus/stream`` over real HTTP: catch-up, live hand-over, resume, filters, errors, slow clients.
 
 The stack (tests/corpus_fixtures.py) runs the web front with its notification hub and a corpus
-writer; the event publisher moves committed changes onto ``tm.events``, from where the hub fans them
-out. Every test runs on the embedded database with the in-process bus and on PostgreSQL with RabbitMQ.
+writer; the event publisher moves committed changes onto ``tm.events`` and, one batch per window,
+onto the hubs' internal exchange, from where the hub fans them out. Every test runs on the embedded database with the in-process bus and on PostgreSQL with RabbitMQ.
 """
 
 from __future__ import annotations
@@ -138,43 +138,102 @@ async def test_resume_with_last_event_id_at_random_points_applies_every_sequence
     assert applied == await _sequences(stack)
 
 
-async def test_the_hub_fills_holes_from_the_history_and_drops_duplicates(stack: Stack) -> None:
-    """Events reach the hub late, out of order, twice or not at all (a bounded node queue, a
-    publisher take-over): the hub reads every hole from the history and passes each sequence on
-    once, in order. No publisher runs here: the test publishes the events itself."""
-    import orjson
+async def _publish_batch(stack: Stack, after: int, sequences: list[int]) -> None:
+    """Publish the history's changes ``sequences`` to the hubs as one batch after ``after``, as the
+    publisher would (no publisher runs in these tests: the test is the publisher)."""
+    from protocol.events import ChangeBatch
+    from protocol.routing import HUB_ROUTING_KEY
 
-    from protocol.events import ChangeEvent, event_headers
+    rows = await stack.db.pool.fetch("select sequence, type, partition, event from changes "
+                                     "where sequence = any($1::bigint[]) order by sequence", sequences)
+    scope = stack.identity.scope
+    batch = ChangeBatch(scope.corpus_id, scope.lineage, after,
+                        [[r["sequence"], r["type"], r["partition"], r["event"]] for r in rows])
+    await stack.bus.publish(scope.hub_exchange, HUB_ROUTING_KEY, batch, headers=scope.headers())
 
-    async def publish(sequence: int) -> None:
-        text = await stack.db.pool.fetchval("select event from changes where sequence = $1", sequence)
-        event = ChangeEvent(**orjson.loads(text))
-        await stack.bus.publish(stack.identity.scope.events_exchange, event.routing_key, event,
-                                headers=event_headers(event))
 
+async def _take_until(sub: Any, sequence: int) -> list[Any]:
+    """The changes a hub subscription hands over (heartbeats left out) up to ``sequence``."""
+    got: list[Any] = []
+    async with asyncio.timeout(30):
+        while not got or got[-1][0].sequence < sequence:
+            items = await sub.take(1000)
+            assert items is not None, "the subscription ended"
+            got.extend(item for item in items if item[0] is not None)
+    return got
+
+
+async def test_a_hub_fed_by_batches_passes_every_change_once_in_order_and_reads_lost_ones(stack: Stack) -> None:
+    """Batches reach the hub twice (a publisher take-over republishes) or not at all (a bounded
+    node queue, a failed publish): the hub passes each sequence on once, in order, reading a hole
+    from the history exactly when a batch's ``after`` lies above the last change it passed on."""
+    from actors.history import changes_after
+    from actors.hub import sse_frame
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
     alice = await stack.register()
     cid = (await stack.conversation(alice))["conversation"]["id"]
-    resp = await _open(stack, "?after=0")
-    reader = frames(resp)
-    got = [int(f.id) for f in await _until_ready(reader) if f.id is not None]
     await _write(stack, alice, cid, 6)
-    first, *_, last = await _sequences(stack)
-    # The hub has seen nothing yet: its first event starts it (no hole below a first event).
-    await publish(first)
-    # Then the last one: everything between is a hole, read from the history.
-    for sequence in (last, last, first, last - 2):
-        await publish(sequence)
-    await _write(stack, alice, cid, 2)
-    newer = (await _sequences(stack))[-2:]
-    for sequence in reversed(newer):  # out of order: the higher one fills the lower from the history
-        await publish(sequence)
+    seq = await _sequences(stack)
+    resp = await _open(stack, f"?after={seq[-1]}")
+    reader = frames(resp)
+    await _until_ready(reader)
+    async with hub.subscribe() as sub:
+        await _publish_batch(stack, 0, seq[:2])        # the first batch the hub sees starts it
+        await _publish_batch(stack, seq[1], seq[2:4])  # contiguous: no reading
+        await _publish_batch(stack, 0, seq[:4])        # republished: every change a duplicate
+        got = await _take_until(sub, seq[3])
+        assert hub.holes_read == 0
+        # The batch of seq[4:] is lost; the next one shows the hole through its ``after``.
+        await _write(stack, alice, cid, 2)
+        newer = (await _sequences(stack))[len(seq):]
+        await _publish_batch(stack, seq[-1], newer)
+        got += await _take_until(sub, newer[-1])
+        assert hub.holes_read == 1
+    history = await changes_after(stack.db, 0)
+    assert [c.sequence for c, _ in got] == [c.sequence for c in history]
+    # The frames are the history's own text, whether they came in a batch or from a hole.
+    assert [frame for _, frame in got] == [sse_frame(c) for c in history]
+    # And an open stream got the live ones (those after its start) once each, in order.
+    live: list[int] = []
     async with asyncio.timeout(30):
         async for frame in reader:
             if frame.id is not None:
-                got.append(int(frame.id))
-                if got[-1] == newer[-1]:
+                live.append(int(frame.id))
+                if live[-1] == newer[-1]:
                     break
-    assert got == await _sequences(stack)
+    assert live == newer
+    resp.close()
+
+
+async def test_a_hub_without_subscribers_encodes_nothing_and_reads_no_hole(stack: Stack) -> None:
+    """With nobody to tell, the hub only notes the last sequence: a hole is not read (a subscriber
+    that comes later reads the history after it subscribes), and nothing is handed out that
+    arrived before a subscriber came."""
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    await _write(stack, alice, cid, 4)
+    seq = await _sequences(stack)
+    assert hub.subscribers == 0
+    await _publish_batch(stack, 0, seq[:1])
+    await _publish_batch(stack, seq[2], seq[3:4])  # a hole, seen by nobody
+    # A confirmed publish is not yet a handled delivery (on RabbitMQ): wait for the hub to take both.
+    async with asyncio.timeout(30):
+        while hub.batches < 2:
+            await asyncio.sleep(0.01)
+    async with hub.subscribe(frames=False) as sub:
+        await _publish_batch(stack, seq[3], seq[4:])
+        got = await _take_until(sub, seq[-1])
+    assert [c.sequence for c, _ in got] == seq[4:]
+    assert hub.holes_read == 0 and hub.last_sequence == seq[-1]
+    assert all(frame == b"" for _, frame in got)  # a subscriber that reads no frames gets none
+    # A stream opened now has everything from the history.
+    resp = await _open(stack, "?after=0")
+    assert [int(f.id) for f in await _until_ready(frames(resp)) if f.id is not None] == seq
     resp.close()
 
 

@@ -1,8 +1,9 @@
 """Resource-updated notifications of the MCP front, fed by this node's notification hub.
 
 Consumes: a subscription to this MCP node's own :class:`~actors.hub.NotificationHub` (its own NODE
-queue bound on ``tm.events.<corpus_id>``; the hub orders the events and fills holes from the change
-history, so a change the queue dropped or a reconnect lost still counts), and the stored guide's
+queue bound on the internal ``tm.hub.<corpus_id>``, one change batch per publisher window; the hub
+orders the changes and fills holes from the change history, so a change the queue dropped or a
+reconnect lost still counts; it asks for no SSE frames, so the hub encodes none), and the stored guide's
 version, read every ``guide_poll`` seconds (one primary-key lookup; the operator's CLI writes the
 guide straight to the database, with no event).
 Does: turns "something committed" into ``toastmachine://corpus`` updated (its head sequence moved)
@@ -121,7 +122,7 @@ class ResourceNotifier:
 
     async def _follow(self) -> None:
         while True:
-            async with self.hub.subscribe() as sub:
+            async with self.hub.subscribe(frames=False) as sub:
                 while (items := await sub.take(_TAKE)) is not None:
                     if any(change is not None for change, _ in items):  # None: a heartbeat
                         self.mark(CORPUS_URI)

@@ -22,6 +22,14 @@ Semantics (the behaviour suite in ``tests/test_bus_behaviour.py`` checks each, o
   that raises :class:`ProtocolDecodeError` dead-letters the delivery with the reason; one that
   raises anything else nacks with requeue, so the message is redelivered with ``redelivered=True``
   and a higher ``delivery_count`` until the delivery limit dead-letters it.
+* No-ack form (``consume(..., no_ack=True)``), for feeds whose loss the consumer covers itself (the
+  notification hubs read any hole from the change history): a message is gone from the queue once
+  it is delivered, and nothing is ever redelivered. ``prefetch`` then bounds the handlers running
+  at once instead of the unsettled messages: a delivery that finds ``prefetch`` handlers busy is
+  dropped (counted in ``stats.extra["no_ack_dropped"]``). A handler's error is logged, never
+  redelivered; ack and nack are no-ops; a body the codec cannot decode, or a handler raising
+  :class:`ProtocolDecodeError` or calling :meth:`Delivery.dead_letter`, still puts a copy on
+  ``tm.dead`` with the reason.
 * A body that the codec cannot decode never reaches the handler: it is dead-lettered with the reason,
   and when it is a request its requester gets an ``ErrorReply`` (400 ``undecodable_command``) at once.
 * A message taken but not settled by a consumer that is cancelled, crashes or loses its connection
@@ -270,8 +278,11 @@ class Bus(abc.ABC):
         """Encode and publish; return once confirmed. ``mandatory`` raises Unroutable if no queue matched."""
 
     @abc.abstractmethod
-    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
-        """Start delivering messages from ``queue`` to ``handler`` (see the ack policy above)."""
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10, no_ack: bool = False) -> Consumer:
+        """Start delivering messages from ``queue`` to ``handler`` (see the ack policy above).
+
+        With ``no_ack`` the broker forgets each message as it delivers it (see the no-ack form above).
+        """
 
     #: Every backend builds its :class:`~infra.bus.batch.RequestBatcher` in ``__init__``; requests go through it.
     _batcher: RequestBatcher

@@ -16,6 +16,8 @@ simplifying it:
 * NODE queues drop their oldest ready message past ``max_length`` and disappear on :meth:`close`
   or when their last consumer is cancelled (exclusive and auto-delete, as on RabbitMQ).
 * Consumers of a queue take turns (round robin), each with at most ``prefetch`` unsettled messages.
+  A no-ack consumer takes every ready message at once, as RabbitMQ pushes to one, and drops a
+  delivery that finds ``prefetch`` of its handlers still running.
 
 Every queue is bounded: a publish into a full WORK queue waits for room up to its timeout and then
 raises BusUnavailable (RabbitMQ's ``x-overflow: reject-publish``); dead letters never wait, so a
@@ -141,17 +143,20 @@ class _MemoryDelivery(Delivery):
         if self.settled:
             return False
         self.settled = True
-        self._consumer._settled(self)
+        if not self._consumer.no_ack:
+            self._consumer._settled(self)
         return True
 
     async def ack(self) -> None:
-        if self._settle():
+        if self._settle() and not self._consumer.no_ack:
             self._consumer.bus.stats.acked += 1
 
     async def nack(self, requeue: bool = True) -> None:
         if not self._settle():
             return
         bus, queue = self._consumer.bus, self._consumer.queue
+        if self._consumer.no_ack:
+            return  # gone when it was delivered: nothing to give back (the no-ack form)
         bus.stats.nacked += 1
         if requeue:
             bus._return(queue, self._stored)
@@ -175,29 +180,41 @@ class _MemoryDelivery(Delivery):
 
 
 class _MemoryConsumer(Consumer):
-    def __init__(self, bus: MemoryBus, queue: _Queue, handler: Handler, prefetch: int) -> None:
+    def __init__(self, bus: MemoryBus, queue: _Queue, handler: Handler, prefetch: int, no_ack: bool = False) -> None:
         self.bus = bus
         self.queue = queue
         self.handler = handler
         self.prefetch = prefetch
+        self.no_ack = no_ack
         self.active = True
         self.unsettled: set[_MemoryDelivery] = set()
         self._tasks: dict[asyncio.Task[None], _MemoryDelivery] = {}
         # Bounds handler concurrency even when a handler settles early and keeps running.
         self._slots = asyncio.Semaphore(prefetch)
+        #: Handlers started and not finished (what bounds a no-ack consumer).
+        self._running = 0
 
     @property
     def has_capacity(self) -> bool:
-        return self.active and len(self.unsettled) < self.prefetch
+        # A no-ack consumer settles nothing: the broker pushes to it whatever is ready.
+        return self.active and (self.no_ack or len(self.unsettled) < self.prefetch)
 
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
 
     def deliver(self, stored: _Message) -> None:
-        delivery = _MemoryDelivery(self, stored)
-        self.unsettled.add(delivery)
         self.bus.stats.delivered += 1
+        if self.no_ack and self._running >= self.prefetch:
+            # Every handler slot is busy and the message is already gone from the queue: dropped,
+            # which the no-ack form allows (its consumer covers loss itself).
+            self.bus.stats.extra["no_ack_dropped"] = self.bus.stats.extra.get("no_ack_dropped", 0) + 1
+            log.debug("bus.no_ack_dropped", queue=self.queue.name)
+            return
+        delivery = _MemoryDelivery(self, stored)
+        if not self.no_ack:
+            self.unsettled.add(delivery)
+        self._running += 1
         # A fresh context, as on RabbitMQ: nothing of the publisher's task (its trace id in
         # particular) may leak into the handler except through headers.
         task = asyncio.get_running_loop().create_task(
@@ -206,13 +223,18 @@ class _MemoryConsumer(Consumer):
         task.add_done_callback(self._tasks.pop)
 
     async def _run(self, delivery: _MemoryDelivery, stored: _Message) -> None:
-        if not self.active:
-            # Handed over just before cancel(): not ours to start any more (as on RabbitMQ).
-            await delivery.nack(requeue=True)
-            return
-        async with self._slots:
-            await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
-                                  queue=self.queue.name, log=log, reply=self.bus.reply)
+        try:
+            if not self.active:
+                # Handed over just before cancel(): not ours to start any more (as on RabbitMQ; a
+                # no-ack delivery is simply gone).
+                await delivery.nack(requeue=True)
+                return
+            async with self._slots:
+                await handle_delivery(delivery, stored.type_name, stored.body, self.handler,
+                                      queue=self.queue.name, log=log, reply=self.bus.reply)
+        finally:
+            # Here rather than in a done callback: the slot is free the moment the handler is.
+            self._running -= 1
 
     def _settled(self, delivery: _MemoryDelivery) -> None:
         self.unsettled.discard(delivery)
@@ -546,14 +568,14 @@ class MemoryBus(Bus):
 
     # --- consuming ---------------------------------------------------------------------------
 
-    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10, no_ack: bool = False) -> Consumer:
         self._ensure_open()
         if prefetch < 1:
             raise BusError(f"prefetch must be at least 1, not {prefetch}")
         q = self._queues.get(queue)
         if q is None:
             raise BusError(f"no queue named {queue!r}")
-        consumer = _MemoryConsumer(self, q, handler, prefetch)
+        consumer = _MemoryConsumer(self, q, handler, prefetch, no_ack)
         q.consumers.append(consumer)
         self._consumers.add(consumer)
         self._dispatch(q)

@@ -13,6 +13,8 @@ Topology (see docs/architecture.md)
     WORK queues are durable quorum queues with ``x-delivery-limit``, dead-lettered to ``tm.dead``
     with routing key = the queue name, at-least-once (which needs ``x-overflow: reject-publish``).
     NODE queues are exclusive, auto-delete, classic, with ``x-max-length`` and drop-head overflow.
+    A no-ack consumer (``consume(..., no_ack=True)``) is a ``basic.consume`` with ``no-ack``: its
+    deliveries carry no tag to settle, and its handler slots, not ``basic.qos``, bound it.
     WAKE queues are durable quorum queues with ``x-max-length`` and drop-head overflow, no dead letters.
 
 Delivery counts and dead letters
@@ -461,12 +463,12 @@ class RabbitBus(Bus):
 
     # --- consuming ---------------------------------------------------------------------------
 
-    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10) -> Consumer:
+    async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10, no_ack: bool = False) -> Consumer:
         if self._connection is None:
             raise BusUnavailable(f"not connected to RabbitMQ at {self.redacted_url}")
         if prefetch < 1:
             raise BusError(f"prefetch must be at least 1, not {prefetch}")
-        consumer = _RabbitConsumer(self, queue, handler, prefetch)
+        consumer = _RabbitConsumer(self, queue, handler, prefetch, no_ack)
         await consumer.start(self._connection, self._queue_args.get(queue))
         self._consumers.add(consumer)
         return consumer
@@ -583,12 +585,13 @@ class _RabbitDelivery(Delivery):
         return True
 
     async def ack(self) -> None:
-        if self._claim():
+        if self._claim() and not self.consumer.no_ack:
             await self._settle(requeue=None)
             self.consumer.bus.stats.acked += 1
 
     async def nack(self, requeue: bool = True) -> None:
-        if self._claim():
+        # A no-ack delivery has no tag to settle (basic.ack on it would close the channel): it is gone.
+        if self._claim() and not self.consumer.no_ack:
             await self._settle(requeue=requeue)
             self.consumer.bus.stats.nacked += 1
 
@@ -603,7 +606,8 @@ class _RabbitDelivery(Delivery):
             await self.nack(requeue=True)
             raise
         if self._claim():
-            await self._settle(requeue=None)
+            if not self.consumer.no_ack:
+                await self._settle(requeue=None)
             bus.stats.dead_lettered += 1
 
     async def dead_letter_member(self, type_name: str | None, body: bytes, headers: Headers) -> None:
@@ -640,11 +644,13 @@ class _RabbitConsumer(Consumer):
     the queue and QoS, then calls :meth:`_on_reopen`, which consumes again.
     """
 
-    def __init__(self, bus: RabbitBus, queue_name: str, handler: Handler, prefetch: int) -> None:
+    def __init__(self, bus: RabbitBus, queue_name: str, handler: Handler, prefetch: int, no_ack: bool = False) -> None:
         self.bus = bus
         self.queue_name = queue_name
         self.handler = handler
         self.prefetch = prefetch
+        #: basic.consume with no_ack: the broker forgets each message as it sends it (see the contract).
+        self.no_ack = no_ack
         self.active = False
         self.unsettled: set[_RabbitDelivery] = set()
         self._tasks: dict[asyncio.Task[Any], _RabbitDelivery] = {}
@@ -690,12 +696,16 @@ class _RabbitConsumer(Consumer):
         # are long (a web node feeding thousands of streams), that caps what it can consume far
         # below what it can handle. Unbounded here, on a channel of ours that nothing has used yet;
         # memory stays bounded by the prefetch (basic.qos), which limits unacknowledged deliveries.
+        # A no-ack consumer has no such limit from the broker: its channel's reader turns each
+        # message at once into a handler or a drop (_on_message), so what waits here is what the
+        # socket brought since the loop's last turn, and the broker's bounded queue holds the rest.
         # (The channel's reader is already waiting on that queue, so the bound is lifted in place.)
         if underlay.frames.maxsize:
             underlay.frames._maxsize = 0  # type: ignore[attr-defined]
         underlay.on_consumer_cancel_callbacks.add(self._on_broker_cancel)
         if self._tag not in underlay.consumers:
-            await underlay.basic_consume(self.queue_name, self._on_message, consumer_tag=self._tag, timeout=30)
+            await underlay.basic_consume(self.queue_name, self._on_message, consumer_tag=self._tag,
+                                         no_ack=self.no_ack, timeout=30)
 
     async def _on_reopen(self, _channel: object) -> None:
         if not self.active:
@@ -731,10 +741,18 @@ class _RabbitConsumer(Consumer):
     async def _on_message(self, raw: DeliveredMessage) -> None:
         task = asyncio.current_task()
         assert task is not None
-        delivery = _RabbitDelivery(self, raw)
-        self.unsettled.add(delivery)
-        self._tasks[task] = delivery
         self.bus.stats.delivered += 1
+        if self.no_ack and len(self._tasks) >= self.prefetch:
+            # basic.qos does not bound a no-ack consumer: the handler slots do. Every one is busy and
+            # the broker already forgot the message: dropped, as the no-ack form allows.
+            extra = self.bus.stats.extra
+            extra["no_ack_dropped"] = extra.get("no_ack_dropped", 0) + 1
+            log.debug("bus.no_ack_dropped", queue=self.queue_name)
+            return
+        delivery = _RabbitDelivery(self, raw)
+        if not self.no_ack:
+            self.unsettled.add(delivery)
+        self._tasks[task] = delivery
         try:
             if not self.active:
                 # Arrived after cancel(): not ours to start any more.
