@@ -27,7 +27,6 @@ from actors.hub import NotificationHub
 from actors.mcp.app import build_app
 from actors.mcp.cleanup import BATCH, delete_expired
 from actors.mcp.grants import current_grant
-from actors.mcp.http_protocol import CoalescingHttpToolsProtocol
 from actors.mcp.notify import LegacySubscriptions, ResourceNotifier, ScopedListen, register_subscriptions
 from actors.mcp.resources import register_resources
 from actors.mcp.tools import ToolDeps, register_tools
@@ -58,11 +57,9 @@ def make_server(app: Any, *, grace: float = 10.0, **listen: Any) -> uvicorn.Serv
 
     HTTP is parsed by httptools (llhttp, in C), named rather than left to uvicorn's ``auto`` so that
     every install parses alike: the pure-Python h11 took about a tenth of the MCP front's CPU per call
-    (bench/mcp.py); and through :class:`~actors.mcp.http_protocol.CoalescingHttpToolsProtocol`, which
-    sends a response's head and body in one write (one system call instead of two)."""
+    (bench/mcp.py)."""
     config = uvicorn.Config(app, lifespan="on", log_config=None, access_log=False, server_header=False,
-                            proxy_headers=False, http=CoalescingHttpToolsProtocol,
-                            timeout_graceful_shutdown=int(grace),
+                            proxy_headers=False, http="httptools", timeout_graceful_shutdown=int(grace),
                             **listen)
     return _Server(config)
 
