@@ -32,7 +32,7 @@ from infra.db import (
 from infra.exclusive import check_can_listen, free_port, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
-from infra.runtime import Actor, ActorHealth, Supervisor
+from infra.runtime import Actor, ActorHealth, Supervisor, tune_gc
 from protocol.errors import ConfigError, LineageMismatch
 
 log = get_logger("toastmachine.node")
@@ -193,6 +193,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
             stop_wait = asyncio.create_task(stop.wait())
             await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
             if start.done() and start.exception() is None:
+                tune_gc()
                 _announce(node, supervisor, announce)
                 await stop_wait
             elif start.done():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import socket
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -75,29 +74,6 @@ async def _end_sessions(server: MCPServer) -> None:
             await transport.terminate()
 
 
-#: Net container allocations between young-generation collections (CPython's default: 700).
-GC_YOUNG_THRESHOLD = 10_000
-
-
-def _tune_gc() -> None:
-    """Collect what is already garbage, move every object alive now (modules, the SDK's and
-    pydantic's schemas, the tools) out of the collector's reach (:func:`gc.freeze`), and collect the
-    young generation after 10,000 net allocations instead of 700.
-
-    Why: a tool call allocates thousands of short-lived containers (rows, representations, and the
-    SDK's dumps of the result), and with 32 calls in flight the default threshold ran a young
-    collection every few calls; what was in flight survived it, reached the oldest generation, and
-    that generation's collections (every half second or so) walked the ~135k start-up objects again,
-    50-110 ms each with the event loop stopped: about a fifth of the process's CPU under
-    bench/mcp.py's get_messages load, and its p99. Frozen objects are never collected (nothing here
-    is meant to be freed before the process ends); reference counting still frees the rest at once,
-    the threshold only bounds how much cyclic garbage may wait."""
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
-
-
 class McpFront(Actor):
     """Serves the MCP endpoint and the OAuth authorization server over HTTP (uvicorn)."""
 
@@ -153,7 +129,6 @@ class McpFront(Actor):
                 self._task.result()
                 raise RuntimeError("the MCP front stopped while starting")
             await asyncio.sleep(0.02)
-        _tune_gc()
         self.log.info("mcp.listening", url=f"http://{self.host}:{self.bound_port}/mcp")
 
     async def run(self) -> None:
