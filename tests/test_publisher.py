@@ -167,17 +167,23 @@ async def test_every_change_is_published_in_order_with_its_envelope_and_headers(
         assert encode_message(event)[1] == row["event"].encode()
 
 
+async def hub_feed(stack: Stack) -> Received:
+    """What reaches a queue bound to the hubs' internal exchange from now on."""
+    await stack.bus.declare_exchange(stack.identity.scope.hub_exchange)
+    batches = Received()
+    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
+    await stack.bus.bind(feed, stack.identity.scope.hub_exchange, "#")
+    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    return batches
+
+
 async def test_each_window_reaches_the_hubs_as_one_batch_and_tm_events_keeps_one_message_per_change(
         stack: Stack) -> None:
     """Beside its events, the publisher sends each window once more, whole, to the hubs' internal
     exchange: one ``ChangeBatch`` per window, the stored envelopes verbatim, each ``after`` the end of
     the one before. ``tm.events`` is unchanged: one message per change, nothing of the batches."""
     scope = stack.identity.scope
-    await stack.bus.declare_exchange(scope.hub_exchange)
-    batches = Received()
-    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
-    await stack.bus.bind(feed, scope.hub_exchange, "#")
-    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    batches = await hub_feed(stack)
     events, _ = await bind_queue(stack.bus, "#")
     await write_some(stack, 10)  # a backlog: read at once, published in windows of 5
     backlog = len(await history(stack.db))
@@ -218,12 +224,7 @@ async def test_each_window_reaches_the_hubs_as_one_batch_and_tm_events_keeps_one
 async def test_a_window_past_a_mebibyte_reaches_the_hubs_in_parts_each_below_it(stack: Stack) -> None:
     from protocol.events import MAX_CHANGE_BATCH_BYTES
 
-    scope = stack.identity.scope
-    await stack.bus.declare_exchange(scope.hub_exchange)
-    batches = Received()
-    feed = await stack.bus.declare_queue(QueueSpec(name=unique_name("hub-feed"), kind=QueueKind.NODE))
-    await stack.bus.bind(feed, scope.hub_exchange, "#")
-    await stack.bus.consume(feed, batches.handle, prefetch=500)
+    batches = await hub_feed(stack)
     alice = await stack.register()
     cid = (await stack.conversation(alice, "big"))["conversation"]["id"]
     for _ in range(24):  # ~60 KB envelopes: about 1.5 MB in one window
