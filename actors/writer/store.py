@@ -167,6 +167,7 @@ class CorpusStore:
         """
         state = _Batch(outcomes=[None] * len(batch))
         async with connection(self.db) as conn, conn.transaction():
+            await conn.execute(_KEYED_PLANS)
             if self.write_budget is not None:
                 await self._lock_budgets(conn, state, batch)
             fresh: list[int] = []
@@ -589,6 +590,15 @@ class CorpusStore:
 #: Locks (creating where missing) the write_budget rows of the agents in $1, sorted by id so that
 #: two batches take them in the same order, and reads each with the database clock after its lock.
 #: The no-op update is what takes the row lock and returns the latest committed state.
+#: Set at the start of every batch's transaction (and undone at its end): a batch touches at most a
+#: few hundred rows, each found by a key, so every join of its statements (and of the read-model
+#: trigger they fire) must be an index probe. The planner's choice between that and a hash or merge
+#: join over a whole table rests on statistics, which lag behind a young or fast-growing corpus;
+#: the prepared statements then keep a plan that reads all of ``operations`` per batch (seen on a
+#: fresh database: the batch's last update was a hash join over every operation record). Only
+#: these two methods are switched off; sequential scans stay possible where nothing else exists
+#: (the trigger's transition table).
+_KEYED_PLANS = "set local enable_hashjoin = off; set local enable_mergejoin = off"
 _LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select unnest($1::uuid[]) "
                  "on conflict (agent_id) do update set tat = b.tat "
                  "returning agent_id, extract(epoch from tat)::float8 as tat, "
@@ -600,28 +610,38 @@ _READ_OPERATION = ("select o.request_hash, o.status, o.response, o.sequence from
 #: idempotency record; the agents its message mentions ($10/$11: the command's position and a
 #: lowercased name, one pair per name); the partition of the conversation it appends to; the
 #: conversation of the message it replies to; the two messages an assertion relates and the active
-#: assertion it would duplicate; the relationship a retraction retracts. Each subquery is an index
-#: look-up; the columns a command's kind does not use are null.
+#: assertion it would duplicate; the relationship a retraction retracts. The columns a command's
+#: kind does not use are null.
+#:
+#: Every look-up is written as a per-command probe (a correlated subquery or a LATERAL join on a
+#: key) rather than a join the planner may turn into a hash join: on a young corpus, or before
+#: ANALYZE caught up with a growing one, the statistics say the tables are tiny, and a hash join
+#: would read the whole of ``operations``, ``relationships`` or ``retractions`` for every batch (the
+#: prepared statement keeps that plan). A probe on a key is an index look-up whatever the statistics
+#: say, so a batch costs the same on a corpus of any size and age. Look-ups a command's kind does
+#: not need are skipped by a one-time filter on the null key.
 _READ_BATCH = (
     "select o.request_hash, o.status, o.response, o.sequence, "
     "(select array_agg(row(a.agent_id, a.name)) from agents a where lower(a.name) = any("
     "  select x.name from unnest($10::bigint[], $11::text[]) as x(ord, name) where x.ord = c.ord)) as mentions, "
     "(select v.partition from conversations v where v.id = c.conversation_id) as partition, "
     "(select p.conversation_id from messages p where p.id = c.reply_to) as parent_conversation, "
-    "(select array_agg(row(m.id, m.author_id, m.kinds, m.conversation_id, k.partition)) from messages m "
-    "  join conversations k on k.id = m.conversation_id where m.id = any(array[c.source_id, c.target_id])) "
-    "  as messages, "
+    "(select array_agg(row(m.id, m.author_id, m.kinds, m.conversation_id, k.partition)) "
+    "  from (select c.source_id union all select c.target_id) as w(id) "
+    "  join messages m on m.id = w.id join conversations k on k.id = m.conversation_id "
+    "  where c.source_id is not null) as messages, "
     "(select e.relationship_id from active_relationships e where e.source_message_id = c.source_id "
     "  and e.target_message_id = c.target_id and e.type = c.type and e.author_id = c.author_id) as existing, "
     "r.author_id as asserted_by, r.partition as relationship_partition, "
-    "s.conversation_id as relationship_conversation, "
-    "exists (select 1 from retractions t where t.relationship_id = r.id) as retracted "
+    "(select s.conversation_id from messages s where s.id = r.source_message_id) as relationship_conversation, "
+    "(select true from retractions t where t.relationship_id = r.id limit 1) is not null as retracted "
     "from unnest($1::uuid[], $2::text[], $3::text[], $4::uuid[], $5::uuid[], $6::uuid[], $7::uuid[], $8::text[], "
     "  $9::uuid[]) with ordinality as c(author_id, operation, token, conversation_id, reply_to, source_id, "
     "  target_id, type, relationship_id, ord) "
-    "left join operations o on o.author_id = c.author_id and o.operation = c.operation and o.token = c.token "
-    "left join relationships r on r.id = c.relationship_id "
-    "left join messages s on s.id = r.source_message_id "
+    "left join lateral (select o.request_hash, o.status, o.response, o.sequence from operations o "
+    "  where o.author_id = c.author_id and o.operation = c.operation and o.token = c.token) o on true "
+    "left join lateral (select r.id, r.author_id, r.partition, r.source_message_id from relationships r "
+    "  where r.id = c.relationship_id and c.relationship_id is not null) r on true "
     "order by c.ord")
 #: Claims the idempotency keys ($1-$4, each command's index $5) in key order (so that two batches
 #: claiming common keys wait on each other instead of deadlocking), then inserts the conversations
