@@ -20,8 +20,9 @@ from tests.corpus_fixtures import STACK_ENV, running_stack
 from tests.deployment import WAIT, Deployment, deployment
 from tests.s3_server import S3Server
 
-#: Changes written before the archivers start: 2 per segment, so about 120 segments to cut.
-CHANGES = 240
+#: Changes written before the archivers start: 2 per segment, so 300 segments to cut (in batches of
+#: two), enough work after the store comes back for the second kill to land mid-verify.
+CHANGES = 600
 
 
 async def holder(database_url: str) -> str | None:
@@ -81,6 +82,13 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
     # Batches of two segments: 60 of them, so the kills land inside one (a sealed or a written batch).
     env = {"TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "3600",
            "TOASTMACHINE_ARCHIVE_BATCH_SEGMENTS": "2"}
+    # The store refuses every segment until the first kill: a plain file stands where the lineage's
+    # segments directory must be created (a real failure of the directory store, even for root),
+    # so the first active archiver seals its first batch and is still retrying its upload when it
+    # is killed, however fast or slow this machine is.
+    blocker = tmp_path / "archive" / str(lineage) / "segments"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_bytes(b"not a directory\n")
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
         await dep.start("archiver", "arch-a", **env)
         await dep.start("archiver", "arch-b", **env)
@@ -93,6 +101,7 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
 
         killed = await kill_when(dep, database_url, "sealed")
         assert killed == active
+        blocker.unlink()  # the store is back for the successor
         await dep.processes[standby].wait_for_line(r"archiver\.active", timeout=WAIT)
         assert await holder(database_url) == application_name(standby)
         await dep.start("archiver", "arch-c", **env)
