@@ -155,6 +155,22 @@ def test_any_change_to_a_signed_checkpoint_is_refused(draw: st.DataObject) -> No
         cp.verify_checkpoint(bytes(broken), key.verifier())
 
 
+def test_a_signature_with_a_flipped_padding_bit_is_refused() -> None:
+    """68 bytes of key id and signature end in a padded base64 group whose last character carries
+    two bits the decoder ignores: flipping one must still be refused (the example Hypothesis found)."""
+    key = cp.generate_signer_key(ORIGIN)
+    note = cp.sign_checkpoint(cp.Checkpoint(ORIGIN, 99, ROOT), key)
+    line = note.rstrip("\n").rpartition("\n")[2]
+    encoded = line.rsplit(" ", 1)[1]
+    assert encoded.endswith("=") and not encoded.endswith("==")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    last = alphabet.index(encoded[-2])
+    twin = encoded[:-2] + alphabet[last ^ 1] + "="
+    assert base64.b64decode(twin) == base64.b64decode(encoded)  # the decoder alone cannot tell them apart
+    with pytest.raises(cp.CheckpointError):
+        cp.verify_checkpoint(note.replace(encoded, twin), key.verifier())
+
+
 def test_refusals_say_why() -> None:
     key, other = cp.generate_signer_key(ORIGIN), cp.generate_signer_key(ORIGIN)
     good = cp.sign_checkpoint(cp.Checkpoint(ORIGIN, 5, ROOT), key)
