@@ -352,8 +352,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
                "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 OURS_INCLUDES = ("per change: the HTTP write (web -> RabbitMQ -> writer -> commit -> 201); in parallel "
-                 "NOTIFY -> publisher -> RabbitMQ (confirmed) -> the web node's hub queue -> hub -> each "
-                 "stream's bounded queue -> the stream formats and encodes its own frame -> socket")
+                 "NOTIFY -> publisher -> RabbitMQ (confirmed, and one change batch per window) -> the web "
+                 "node's hub queue -> hub (frames encoded once per change, fan-out in slices) -> each "
+                 "stream's socket (an idle stream's straight from the pass, else its bounded queue)")
 RAW_INCLUDES = ("per frame: one pre-serialised frame of the same size, the same bytes put into every "
                 "client's bounded queue (the hub's bound), one aiohttp StreamResponse.write per client")
 RAW_EXCLUDES = ("the database, the bus, the publisher, the hub's ordering and hole checks, per-client "
