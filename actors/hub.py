@@ -118,10 +118,8 @@ class Subscription:
     (a wake-up and a socket write) shrinks exactly when it matters.
     """
 
-    def __init__(self, maxsize: int, frames: bool = True) -> None:
+    def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
-        #: Whether this subscriber reads the SSE frames (the MCP notifier only counts changes).
-        self.frames = frames
         self._items: collections.deque[Item] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         #: Set when the subscriber fell behind by more than its bound.
@@ -311,7 +309,7 @@ class NotificationHub:
     async def subscribe(self, *, frames: bool = True) -> AsyncIterator[Subscription]:
         """A subscription for the duration of the block; ``frames=False`` for a subscriber that
         never reads the SSE frames (its items carry empty bytes)."""
-        sub = Subscription(self.subscriber_queue, frames)
+        sub = Subscription(self.subscriber_queue)
         self._subscribers.add(sub)
         self._framed += frames
         try:

@@ -162,7 +162,8 @@ class EventPublisher(Actor):
         self.activations = 0
         #: Windows that were not fully confirmed (retried from the cursor after a back-off).
         self.failed_windows = 0
-        #: Change batches published to the hubs' exchange, and those that failed (not retried).
+        #: Change batches published to the hubs' exchange, and those that failed (each failure fails
+        #: its window, which is retried from the cursor).
         self.hub_batches = 0
         self.failed_hub_batches = 0
         self._wake = asyncio.Event()
