@@ -36,6 +36,13 @@ heartbeat comment for each subscriber, and it is also the watchdog: a subscriber
 been blocked in the same socket write for a whole interval (the client stopped reading) is cut off
 and its connection aborted. So sending a change to a stream arms no timer at all, which is what
 lets one node feed thousands of streams.
+
+The ticker also closes the one gap batches alone leave: a lost batch is noticed through the next
+one's ``after``, but a lost *last* batch has no next one while the corpus is quiet. So when a whole
+heartbeat interval passed with subscribers and without a batch, the ticker reads the publisher's
+cursor (every change up to it was published, so none below it can still commit) and, when it lies
+above the last change passed on, reads that hole from the history like any other. The hub starts at
+that cursor too, so a first batch that is lost is noticed by the one after it like any other.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from actors.history import Change, changes_after
+from actors.publisher import read_cursor
 from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.db.pool import UNAVAILABLE_ERRORS, Target
 from infra.logs import get_logger
@@ -245,6 +253,8 @@ class NotificationHub:
         self.heartbeat = heartbeat
         self._ticker: asyncio.Task[None] | None = None
         self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
+        #: The queue's name as declared (None before :meth:`start`).
+        self.queue_name: str | None = None
         self.subscriber_queue = subscriber_queue
         self.last_sequence: int | None = None
         self._subscribers: set[Subscription] = set()
@@ -266,13 +276,21 @@ class NotificationHub:
         #: Change batches taken, and holes read from the history (for tests and diagnostics).
         self.batches = 0
         self.holes_read = 0
+        #: ``batches`` at the ticker's last round: unchanged over a round means no batch came.
+        self._batches_seen = 0
 
     async def start(self) -> None:
         """Declare and bind this node's queue and start consuming."""
         if self.scope is None:
             log.error("hub.identity_unavailable", detail="the corpus identity check failed; consuming nothing")
             return
-        name = await self.bus.declare_queue(self.queue_spec)
+        try:
+            # Where the hub starts: a first batch after a lost one then shows its hole like any.
+            self.last_sequence = await read_cursor(self.db)
+        except UNAVAILABLE_ERRORS as e:
+            # Not fatal: the first batch starts the hub instead, as it did before there was a cursor.
+            log.warning("hub.cursor_unreadable", error=repr(e))
+        name = self.queue_name = await self.bus.declare_queue(self.queue_spec)
         await self.bus.declare_exchange(self.scope.hub_exchange)
         await self.bus.bind(name, self.scope.hub_exchange, "#")
         self._consumer = await self.bus.consume(name, self._on_batch, prefetch=HANDLER_SLOTS, no_ack=True)
@@ -289,6 +307,29 @@ class NotificationHub:
                     await asyncio.sleep(0)
                 for sub in subscribers[start:start + FANOUT_SLICE]:
                     sub.tick()
+            quiet = self.batches == self._batches_seen
+            self._batches_seen = self.batches
+            if quiet and self._subscribers and not self._filling:
+                try:
+                    await self._check_tail()
+                except Exception:  # noqa: BLE001 - the ticker is also the heartbeat: it must go on
+                    log.exception("hub.tail_check_failed")
+
+    async def _check_tail(self) -> None:
+        """Read what the publisher published but no batch brought (see the module docstring)."""
+        try:
+            cursor = await read_cursor(self.db)
+        except UNAVAILABLE_ERRORS as e:
+            log.warning("hub.cursor_unreadable", error=repr(e))
+            return
+        # Re-checked after the await: a batch may have come, or started reading a hole, meanwhile.
+        last = self.last_sequence
+        # With no start (the cursor was unreadable at start and no batch came), where the
+        # subscribers stand is unknown: the first batch starts the hub.
+        if self._filling or not self._subscribers or last is None or cursor <= last:
+            return
+        log.info("hub.tail_missed", after=last, through=cursor)
+        await self._after_hole(cursor, [])
 
     async def close(self) -> None:
         """Stop consuming and end every subscription."""

@@ -353,3 +353,40 @@ async def test_a_client_that_does_not_keep_up_is_cut_off_with_a_resume_hint(stac
         error = got[-1].json()["error"]
         assert error["code"] == "slow_consumer" and "Last-Event-ID" in error["how_to_proceed"]
         assert hub.subscribers == 0
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.1")
+async def test_changes_whose_batches_were_all_lost_reach_the_streams_on_a_quiet_corpus(stack: Stack) -> None:
+    """The hub's queue loses its binding (an operator's mistake; on RabbitMQ a real unbind), so the
+    publisher's batches reach no one and no later batch shows the hole. The hub's ticker, seeing no
+    batch for a heartbeat interval, reads the publisher's cursor and the hole below it: an open
+    stream still gets every change once, in order."""
+    from actors.web.stream import HUB
+    hub = stack.client.app[HUB]
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    async with publishing(stack):  # the hub has passed the head on: it stands at the cursor
+        async with asyncio.timeout(30):
+            while hub.last_sequence != (await _sequences(stack))[-1]:
+                await asyncio.sleep(0.01)
+    head = (await _sequences(stack))[-1]
+    resp = await _open(stack, f"?after={head}")
+    reader = frames(resp)
+    await _until_ready(reader)
+    assert hub.queue_name is not None
+    assert await stack.bus.unbind(hub.queue_name, stack.identity.scope.hub_exchange, "#")
+    batches = hub.batches
+    await _write(stack, alice, cid, 3)
+    written = [s for s in await _sequences(stack) if s > head]
+    got: list[int] = []
+    async with publishing(stack):
+        async with asyncio.timeout(30):
+            async for frame in reader:
+                if frame.id is not None:
+                    got.append(int(frame.id))
+                    if got[-1] == written[-1]:
+                        break
+    assert got == written
+    assert hub.batches == batches  # none of them came as a batch
+    assert hub.holes_read >= 1
+    resp.close()
