@@ -312,7 +312,7 @@ class NotificationHub:
             if quiet and self._subscribers and not self._filling:
                 try:
                     await self._check_tail()
-                except Exception:  # noqa: BLE001 - the ticker is also the heartbeat: it must go on
+                except Exception:  # the ticker is also the heartbeat: it must go on
                     log.exception("hub.tail_check_failed")
 
     async def _check_tail(self) -> None:
