@@ -1,5 +1,6 @@
-"""Notification hub: one per front (web and MCP) in each node, fanning the corpus's changes out to
-that front's subscribers (the web front's SSE streams; the MCP front's resource notifier).
+"""Notification hub: one per process that runs a front (shared by the web and MCP fronts of
+``toastmachine up``), fanning the corpus's changes out to the fronts' subscribers (the web front's
+SSE streams; the MCP front's resource notifier).
 
 Consumes: a per-node queue (``QueueKind.NODE``: exclusive to this process, bounded, deleted with it)
 bound to the corpus's internal hub exchange ``tm.hub.<corpus_id>`` (:mod:`protocol.routing`), on
@@ -126,8 +127,10 @@ class Subscription:
     (a wake-up and a socket write) shrinks exactly when it matters.
     """
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, owner: object = None) -> None:
         self.maxsize = maxsize
+        #: Who subscribed (a front, when the hub is shared): :meth:`NotificationHub.end` ends its own.
+        self.owner = owner
         self._items: collections.deque[Item] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         #: Set when the subscriber fell behind by more than its bound.
@@ -235,6 +238,12 @@ def sse_frame(change: Change) -> bytes:
 class NotificationHub:
     """The per-node fan-out of this node's corpus's changes.
 
+    One per process, shared by its fronts (the web front's streams and the MCP front's notifier
+    under ``toastmachine up``): each front calls :meth:`start` and :meth:`close` once: the
+    first start consumes and the last close stops, and a front that is stopping ends only its
+    own subscriptions (:meth:`end`). So a node takes each batch once and encodes each frame once,
+    however many fronts follow the corpus.
+
     Args:
         bus: where the change batches come from.
         db: the change history, for filling holes.
@@ -276,11 +285,16 @@ class NotificationHub:
         #: Change batches taken, and holes read from the history (for tests and diagnostics).
         self.batches = 0
         self.holes_read = 0
+        #: Fronts that started the hub and have not closed it yet.
+        self._users = 0
         #: ``batches`` at the ticker's last round: unchanged over a round means no batch came.
         self._batches_seen = 0
 
     async def start(self) -> None:
-        """Declare and bind this node's queue and start consuming."""
+        """Declare and bind this node's queue and start consuming (the first start only)."""
+        self._users += 1
+        if self._users > 1:
+            return
         if self.scope is None:
             log.error("hub.identity_unavailable", detail="the corpus identity check failed; consuming nothing")
             return
@@ -331,8 +345,18 @@ class NotificationHub:
         log.info("hub.tail_missed", after=last, through=cursor)
         await self._after_hole(cursor, [])
 
+    def end(self, owner: object) -> None:
+        """End ``owner``'s subscriptions now (a front that stops), leaving other fronts' alone."""
+        for sub in [s for s in self._subscribers if s.owner is owner]:
+            sub.close()
+
     async def close(self) -> None:
-        """Stop consuming and end every subscription."""
+        """One front is done with the hub; the last one's close stops consuming and ends every
+        subscription (idempotent past that)."""
+        if self._users > 1:
+            self._users -= 1
+            return
+        self._users = 0
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -347,10 +371,11 @@ class NotificationHub:
         self._subscribers.clear()
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, *, frames: bool = True) -> AsyncIterator[Subscription]:
+    async def subscribe(self, *, frames: bool = True, owner: object = None) -> AsyncIterator[Subscription]:
         """A subscription for the duration of the block; ``frames=False`` for a subscriber that
-        never reads the SSE frames (its items carry empty bytes)."""
-        sub = Subscription(self.subscriber_queue)
+        never reads the SSE frames (its items carry empty bytes); ``owner``: the front it is for
+        (see :meth:`end`)."""
+        sub = Subscription(self.subscriber_queue, owner)
         self._subscribers.add(sub)
         self._framed += frames
         try:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import httpx2
 import orjson
@@ -37,6 +38,7 @@ from actors.mcp.notify import DEFAULT_MIN_INTERVAL
 from tests import procs
 from tests.corpus_fixtures import Agent
 from tests.deployment import WAIT, Deployment, deployment
+from tests.sse import frames
 from tests.test_mcp_oauth import _tokens, sdk_oauth_client
 from tests.test_mcp_process import _up_urls
 from tests.test_scale_out import logged, rabbitmqctl, until
@@ -319,6 +321,50 @@ async def test_stopping_the_node_ends_open_listen_streams_gracefully(tmp_path: P
             node.signal()
             async with asyncio.timeout(15):
                 await modern.reader  # the graceful close ends the iteration; an abrupt drop would raise
+            code = await node.wait(timeout=15)
+            took = time.monotonic() - started
+    finally:
+        if node.proc.returncode is None:
+            await node.stop()
+    assert code == 0, "\n".join(node.output)
+    assert took < 10, took  # the grace period is 20 s
+    assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)
+
+
+async def test_up_follows_the_corpus_with_one_hub_for_both_fronts(tmp_path: Path) -> None:
+    """``toastmachine up`` runs the web and MCP fronts in one process on one notification hub (one
+    queue, one consumer): an SSE stream and an MCP listener each get a write, and at SIGTERM each
+    front ends its own followers (the stream ends, the listen stream gets its final result) within
+    the grace period, neither holding the other's open."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_SHUTDOWN_GRACE="20")
+    node = await procs.start("up", env=env)
+    try:
+        web, mcp_url = await _up_urls(node)
+        async with httpx.AsyncClient(timeout=30) as http, listening(mcp_url, "listener") as modern, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            agent = await _author(http, web)
+            stream = await session.get(web + "/corpus/stream")
+            reader = frames(stream)
+            async with asyncio.timeout(NOTIFIED_WITHIN):
+                async for frame in reader:
+                    if frame.event == "ready":
+                        break
+            before = len(modern.inbox.uris)
+            sequence = await _write(http, web, agent, "seen by both fronts")
+            async with asyncio.timeout(NOTIFIED_WITHIN):
+                async for frame in reader:
+                    if frame.id is not None and int(frame.id) == sequence:
+                        break
+            await modern.inbox.wait_for(CORPUS, after=before)
+            assert sum("hub.consuming" in line for line in node.output) == 1, "\n".join(node.output)
+            assert modern.reader is not None
+            started = time.monotonic()
+            node.signal()
+            async with asyncio.timeout(15):
+                async for _ in reader:  # the web front ends its stream (aiohttp sees the end)
+                    pass
+                await modern.reader  # and the MCP front its listen stream, gracefully
             code = await node.wait(timeout=15)
             took = time.monotonic() - started
     finally:

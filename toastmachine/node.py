@@ -16,6 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
+from actors.hub import NotificationHub
 from actors.registry import ACTORS
 from actors.web.app import WebFront
 from infra.bus import make_bus
@@ -54,9 +55,20 @@ class Node:
     embedded: EmbeddedPostgres | None = None
     supervisor: Supervisor | None = None
     metrics: Metrics = field(init=False)
+    _hub: NotificationHub | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(lambda: self.bus, self.actor_health)
+
+    def notification_hub(self) -> NotificationHub:
+        """This process's notification hub, made on first use and shared by its fronts (the web
+        front's streams and, under ``toastmachine up``, the MCP front's notifier): one queue, one
+        consumer and one frame encoding per change, however many fronts follow the corpus."""
+        if self._hub is None:
+            self._hub = NotificationHub(self.bus, self.db, node_id=self.settings.node_id,
+                                        scope=self.identity.scope if self.identity is not None else None,
+                                        heartbeat=self.settings.stream_heartbeat)
+        return self._hub
 
     def actor_health(self) -> Mapping[str, ActorHealth]:
         return self.supervisor.health if self.supervisor is not None else {}

@@ -1,8 +1,9 @@
 """The MCP front as an actor: uvicorn serving :func:`actors.mcp.app.build_app` in the node's event loop.
 
-It also runs this node's notification hub for the MCP front (its own NODE queue bound on
-``tm.events.<corpus_id>``, :mod:`actors.hub`), which feeds the resource-updated notifications of
-:mod:`actors.mcp.notify` to ``subscriptions/listen`` streams and ``resources/subscribe`` sessions.
+It also follows this process's notification hub (:mod:`actors.hub`; its own NODE queue bound on the
+internal ``tm.hub.<corpus_id>``, shared with the web front under ``toastmachine up``), which feeds the
+resource-updated notifications of :mod:`actors.mcp.notify` to ``subscriptions/listen`` streams and
+``resources/subscribe`` sessions.
 
 ``toastmachine mcp`` runs it alone; ``toastmachine up`` runs it beside the other actors. uvicorn's own
 signal capture is disabled: the node handles SIGTERM/SIGINT and stops actors in phases (stop intake,
@@ -22,7 +23,6 @@ import uvicorn
 from mcp.server.mcpserver import MCPServer
 from mcp.server.subscriptions import InMemorySubscriptionBus
 
-from actors.hub import NotificationHub
 from actors.mcp.app import build_app
 from actors.mcp.cleanup import BATCH, delete_expired
 from actors.mcp.grants import current_grant
@@ -103,10 +103,8 @@ class McpFront(Actor):
         deps = ToolDeps.from_node(self.node, current_grant)
         node = self.node
         bus = InMemorySubscriptionBus()
-        hub = NotificationHub(node.bus, node.db, node_id=settings.node_id,
-                              scope=node.identity.scope if node.identity is not None else None,
-                              heartbeat=settings.stream_heartbeat)
-        self._notifier = ResourceNotifier(hub, bus, node.db, guide_poll=settings.mcp_guide_poll)
+        self._notifier = ResourceNotifier(node.notification_hub(), bus, node.db,
+                                          guide_poll=settings.mcp_guide_poll)
         self._listen = ScopedListen(bus, current_grant)
         self._legacy = LegacySubscriptions(bus, current_grant)
 

@@ -122,7 +122,7 @@ class ResourceNotifier:
 
     async def _follow(self) -> None:
         while True:
-            async with self.hub.subscribe(frames=False) as sub:
+            async with self.hub.subscribe(frames=False, owner=self) as sub:
                 while (items := await sub.take(_TAKE)) is not None:
                     if any(change is not None for change, _ in items):  # None: a heartbeat
                         self.mark(CORPUS_URI)

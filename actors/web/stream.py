@@ -345,7 +345,7 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
     try:
         await out.send("retry: 3000\n\n")
         for _ in range(MAX_CATCH_UPS):
-            async with hub.subscribe() as sub:
+            async with hub.subscribe(owner=request.app) as sub:
                 out.sub = sub
                 sub.on_stuck = functools.partial(_abort, request)
                 if after is None:
@@ -415,8 +415,9 @@ async def _hub_context(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _end_streams(app: web.Application) -> None:
-    # Runs before aiohttp waits for handlers: open streams end now instead of holding shutdown.
-    await app[HUB].close()
+    # Runs before aiohttp waits for handlers: open streams end now instead of holding shutdown
+    # (only this app's: under ``up`` the MCP front follows the same hub).
+    app[HUB].end(app)
 
 
 def add_routes(app: web.Application) -> None:
@@ -425,9 +426,7 @@ def add_routes(app: web.Application) -> None:
     settings = node.settings
     app[STREAM_SLOTS] = StreamSlots(settings.stream_max, settings.stream_max_per_client, node.metrics)
     app[LOOKUP] = ConversationLookup(node.db)
-    app[HUB] = NotificationHub(node.bus, node.db, node_id=node.settings.node_id,
-                               scope=node.identity.scope if node.identity is not None else None,
-                               heartbeat=node.settings.stream_heartbeat)
+    app[HUB] = node.notification_hub()
     app.cleanup_ctx.append(_hub_context)
     app.on_shutdown.append(_end_streams)
     app.router.add_get("/corpus/stream", stream)
