@@ -193,6 +193,21 @@ async def _processes(dep: Deployment, **mcp_env: str) -> tuple[str, str]:
     return dep.urls["web-a"], dep.mcp_urls["mcp-a"]
 
 
+async def _stop_promptly(node: procs.NodeProcess, *followers_end: Awaitable[object]) -> None:
+    """SIGTERM an ``up`` node started with a 20 s grace period: every follower ends (awaited in
+    order), and the node exits 0, without a traceback, well within the grace period."""
+    started = time.monotonic()
+    node.signal()
+    async with asyncio.timeout(15):
+        for end in followers_end:
+            await end
+    code = await node.wait(timeout=15)
+    took = time.monotonic() - started
+    assert code == 0, "\n".join(node.output)
+    assert took < 10, took  # the grace period is 20 s
+    assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)
+
+
 # --- the tests -------------------------------------------------------------------------------------
 
 async def test_a_write_on_another_web_node_and_a_new_guide_notify_both_revisions(
@@ -317,18 +332,11 @@ async def test_stopping_the_node_ends_open_listen_streams_gracefully(tmp_path: P
         _, mcp_url = await _up_urls(node)
         async with listening(mcp_url, "listener") as modern, subscribed(mcp_url, "subscriber"):
             assert modern.reader is not None
-            started = time.monotonic()
-            node.signal()
-            async with asyncio.timeout(15):
-                await modern.reader  # the graceful close ends the iteration; an abrupt drop would raise
-            code = await node.wait(timeout=15)
-            took = time.monotonic() - started
+            # The graceful close ends the iteration; an abrupt drop would raise.
+            await _stop_promptly(node, modern.reader)
     finally:
         if node.proc.returncode is None:
             await node.stop()
-    assert code == 0, "\n".join(node.output)
-    assert took < 10, took  # the grace period is 20 s
-    assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)
 
 
 async def test_up_follows_the_corpus_with_one_hub_for_both_fronts(tmp_path: Path) -> None:
@@ -359,20 +367,15 @@ async def test_up_follows_the_corpus_with_one_hub_for_both_fronts(tmp_path: Path
             await modern.inbox.wait_for(CORPUS, after=before)
             assert sum("hub.consuming" in line for line in node.output) == 1, "\n".join(node.output)
             assert modern.reader is not None
-            started = time.monotonic()
-            node.signal()
-            async with asyncio.timeout(15):
+
+            async def stream_ended() -> None:
                 async for _ in reader:  # the web front ends its stream (aiohttp sees the end)
                     pass
-                await modern.reader  # and the MCP front its listen stream, gracefully
-            code = await node.wait(timeout=15)
-            took = time.monotonic() - started
+
+            await _stop_promptly(node, stream_ended(), modern.reader)
     finally:
         if node.proc.returncode is None:
             await node.stop()
-    assert code == 0, "\n".join(node.output)
-    assert took < 10, took  # the grace period is 20 s
-    assert not procs.unexpected_tracebacks(node.output), "\n".join(node.output)
 
 
 async def test_a_token_without_the_read_scope_can_neither_listen_nor_subscribe(tmp_path: Path) -> None:
