@@ -134,6 +134,15 @@ class Forbidden(ApiError):
     how_to_proceed = "Use a credential that has the needed permission."
 
 
+class ReadOnlyMirror(Forbidden):
+    """This node serves a mirror's database: a read-only copy of another node's history."""
+
+    code = "read_only_mirror"
+    message = "This node serves a read-only mirror of another node's corpus; it registers and writes nothing."
+    how_to_proceed = ("Register and write on the node it mirrors (GET /corpus names it under 'mirror'); "
+                      "the mirror shows those writes once it has followed them.")
+
+
 class NotFound(ApiError):
     status, code = 404, "not_found"
     message = "No such resource."

@@ -13,8 +13,11 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -22,16 +25,21 @@ import obstore
 import orjson
 import pytest
 
+from actors.commands import submit_write
 from actors.reads import archive as archive_reads
 from actors.recovery.mirror import Mirror, MirrorError, NodeArchiveSource
 from actors.recovery.walk import StoreSource
 from actors.web.app import make_app
 from actors.web.archive import ARCHIVE_STORE
+from actors.writer import CorpusWriter
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
 from infra.db import Database, apply_migrations, read_identity
+from infra.ratelimit import local_bucket, write_budget
+from protocol import corpus
 from protocol.checkpoint import generate_signer_key
+from protocol.errors import ApiError, ReadOnlyMirror
 from tests.archive_fixtures import archive_database, archiver_caught_up, archiving, raw_store
 from tests.corpus_fixtures import STACK_ENV, Stack, running_stack
 from tests.db_fixtures import fresh_database
@@ -140,10 +148,34 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
         bus = make_bus(None)
         await bus.connect()
         try:
-            async with serve(make_app(test_node(mirror_db, bus, STACK_ENV, identity=identity))) as client:
+            mirror_node = test_node(mirror_db, bus, STACK_ENV, identity=identity)
+            async with serve(make_app(mirror_node)) as client:
                 assert await _snapshot(client) == await _snapshot(node.client)
                 resp = await client.get("/me", headers=alice.headers())
                 assert resp.status == 401
+                # Read-only: no agent of its own (its sequences are the source's), said with the envelope.
+                resp = await client.post("/register", json={"name": "intruder"})
+                assert resp.status == 403, await resp.text()
+                assert (await resp.json())["error"]["code"] == "read_only_mirror"
+                info = await (await client.get("/corpus")).json()
+                assert info["mirror"]["source"] == StoreSource(store).description
+                assert info["mirror"]["applied_through"] == info["mirror"]["verified_through"] == sequence
+                assert "mirror" not in await (await node.client.get("/corpus")).json()
+            # A writer pointed at the mirror's database by mistake commits nothing either: its write
+            # (by a mirrored author) is refused with the same error, not a 5xx, and nothing is added.
+            writer = CorpusWriter(bus, node_id="w", db=mirror_db, identity=identity)
+            await writer.start()
+            try:
+                before = await mirror_db.pool.fetchval("select count(*) from changes")
+                with pytest.raises(ApiError) as refused:
+                    await submit_write(mirror_node, local_bucket(write_budget(1000)), _Author(alice.agent_id),
+                                       corpus.OP_CREATE_CONVERSATION, None, {"subject": "s", "content": "c"},
+                                       "mirror-write-1")
+                assert (refused.value.status, refused.value.code) == (403, ReadOnlyMirror.code)
+                assert await mirror_db.pool.fetchval("select count(*) from changes") == before
+                assert await mirror_db.pool.fetchval("select count(*) from agents where name = 'intruder'") == 0
+            finally:
+                await writer.stop(grace=2)
         finally:
             await bus.close()
         # Resuming is a no-op round; a different pinned key is refused.
@@ -152,6 +184,15 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
         stranger = generate_signer_key(signer.name).verifier()
         with pytest.raises(MirrorError):
             await Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=stranger).archive_round()
+
+
+@dataclass(frozen=True)
+class _Author:
+    """A mirrored author, as an authenticated one would be (no credential can authenticate on a mirror)."""
+
+    agent_id: str
+    name: str = "alice-mirrored"
+    onboarded: bool = True
 
 
 async def _cli(env: dict[str, str], *args: str) -> tuple[int, bytes, bytes]:
@@ -203,3 +244,83 @@ async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -
         code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", stranger,
                                     "--once")
         assert code == 1 and b"not_signed_by_key" in err
+
+
+async def test_mirror_serve_follows_a_node_and_serves_the_copy_read_only(tmp_path: Path) -> None:
+    """``toastmachine mirror --from <node> --public-key KEY --serve`` against a running ``up`` node,
+    both as processes on their embedded databases: the copy is caught up and served (the same head,
+    ``GET /corpus`` naming the source), a write on the node reaches an SSE stream open on the mirror
+    (followed live, fed by the mirror's own publisher), registering on the mirror is 403
+    ``read_only_mirror``, and SIGTERM stops it cleanly."""
+    from tests import procs
+    from tests.sse import frames
+
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "node"), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS="2", TOASTMACHINE_ARCHIVE_SWEEP_SECONDS="0.2")
+    node = await procs.start("up", env=env)
+    mirror: procs.NodeProcess | None = None
+    try:
+        url = await node.wait_listening(timeout=120)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+            author = await _http_author(http, url)
+            cid = (await _http_post(http, url, "/conversations", author, {"subject": "mirrored", "content": "one"}))["conversation"]["id"]
+            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "two"})
+
+            async def archived() -> bool:
+                async with http.get(url + "/corpus/archive") as resp:
+                    body = await resp.json()
+                return bool(body["public_key"]) and any(s["state"] == "published" for s in body["segments"])
+
+            await _until(archived, "the node to publish an archive segment")
+            async with http.get(url + "/corpus/archive") as resp:
+                key = (await resp.json())["public_key"]
+            mirror = await procs.start("mirror", "--from", url, "--public-key", key, "--serve", "--poll", "0.1",
+                                       env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "mirror"),
+                                                           TOASTMACHINE_PORT="0"))
+            copy = await mirror.wait_listening(timeout=120)
+            async with http.get(copy + "/corpus") as resp:
+                info = await resp.json()
+            async with http.get(url + "/corpus") as resp:
+                source_info = await resp.json()
+            assert info["mirror"]["source"] == f"node {url}"
+            assert (info["corpus_id"], info["lineage"]) == (source_info["corpus_id"], source_info["lineage"])
+            assert info["head_sequence"] == source_info["head_sequence"]
+            # Followed live: a write on the node reaches a stream open on the mirror.
+            stream = await http.get(copy + f"/corpus/stream?after={info['head_sequence']}")
+            reader = frames(stream)
+            async with asyncio.timeout(WAIT):
+                async for frame in reader:
+                    if frame.event == "ready":
+                        break
+            later = await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "three"})
+            async with asyncio.timeout(WAIT):
+                async for frame in reader:
+                    if frame.id is not None and int(frame.id) == later["message"]["sequence"]:
+                        break
+            stream.close()
+            async with http.post(copy + "/register", json={"name": "intruder"}) as resp:
+                assert resp.status == 403
+                assert (await resp.json())["error"]["code"] == "read_only_mirror"
+        assert await mirror.stop() == 0, "\n".join(mirror.output)
+        assert not procs.unexpected_tracebacks(mirror.output), "\n".join(mirror.output)
+    finally:
+        if mirror is not None and mirror.proc.returncode is None:
+            await mirror.stop()
+        await node.stop()
+
+
+async def _http_author(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    """A registered, onboarded agent of the node at ``url``: its bearer header."""
+    async with http.post(url + "/register", json={"name": f"mirrored-{os.getpid()}"}) as resp:
+        assert resp.status == 201, await resp.text()
+        headers = {"Authorization": f"Bearer {(await resp.json())['credential']}"}
+    async with http.get(url + "/guide", headers=headers) as resp:
+        assert resp.status == 200
+    return headers
+
+
+async def _http_post(http: aiohttp.ClientSession, url: str, path: str, author: dict[str, str],
+                     body: dict[str, str]) -> dict[str, Any]:
+    async with http.post(url + path, json=body, headers={**author, "Operation-Token": str(uuid.uuid4())}) as resp:
+        assert resp.status == 201, await resp.text()
+        return dict(await resp.json())

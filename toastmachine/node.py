@@ -138,11 +138,13 @@ async def open_node(settings: Settings, *, allow_memory_bus: bool, web: bool = F
             await bus.close()
 
 
-def actor_factories(node: Node, names: list[str], *, web: bool, mcp: bool = False) -> dict[str, Callable[[], Actor]]:
-    """Factories for the named back-end actors, plus the MCP and web fronts last (so they stop first)."""
+def actor_factories(node: Node, names: list[str], *, web: bool, mcp: bool = False,
+                    extra: Mapping[str, Callable[[Node], Actor]] | None = None) -> dict[str, Callable[[], Actor]]:
+    """Factories for the named back-end actors and the ``extra`` ones (a command's own, e.g. the
+    mirror's follower), plus the MCP and web fronts last (so they stop first)."""
     factories: dict[str, Callable[[], Actor]] = {}
-    for name in names:
-        build = ACTORS[name]
+    builds = {**{name: ACTORS[name] for name in names}, **(extra or {})}
+    for name, build in builds.items():
         factories[name] = lambda build=build: build(node)  # type: ignore[misc]
     if mcp:
         from actors.mcp.front import McpFront
@@ -154,8 +156,9 @@ def actor_factories(node: Node, names: list[str], *, web: bool, mcp: bool = Fals
 
 
 async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
-                announce: Callable[[str], None] | None = None, mcp: bool = False) -> int:
-    """Run ``actors`` (and the web front) until SIGTERM/SIGINT; return the process exit code.
+                announce: Callable[[str], None] | None = None, mcp: bool = False,
+                extra: Mapping[str, Callable[[Node], Actor]] | None = None) -> int:
+    """Run ``actors`` and ``extra`` (and the fronts) until SIGTERM/SIGINT; return the process exit code.
 
     Raises AlreadyInUse at once, before starting anything, when another process holds the embedded
     database's data directory or (for the web front) the port.
@@ -174,11 +177,12 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
                 # so port 0 is resolved to a free port once, here, before anything is built.
                 settings = dataclasses.replace(settings, mcp_port=free_port(settings.mcp_host))
         return await _serve(settings, actors=actors, web=web, allow_memory_bus=allow_memory_bus,
-                            announce=announce, mcp=mcp)
+                            announce=announce, mcp=mcp, extra=extra)
 
 
 async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memory_bus: bool,
-                 announce: Callable[[str], None] | None, mcp: bool = False) -> int:
+                 announce: Callable[[str], None] | None, mcp: bool = False,
+                 extra: Mapping[str, Callable[[Node], Actor]] | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -199,7 +203,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
         async with open_node(settings, allow_memory_bus=allow_memory_bus, web=web or mcp) as node:
-            supervisor = Supervisor(actor_factories(node, actors, web=web, mcp=mcp))
+            supervisor = Supervisor(actor_factories(node, actors, web=web, mcp=mcp, extra=extra))
             node.supervisor = supervisor
             start = asyncio.create_task(supervisor.start(wait=60))
             stop_wait = asyncio.create_task(stop.wait())

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,45 +170,36 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
 
     import aiohttp
 
-    from actors.recovery.mirror import Mirror, NodeArchiveSource
-    from actors.recovery.walk import StoreSource, archived_lineages
+    from actors.recovery.mirror import Mirror, MirrorError
     from toastmachine.node import open_database
 
     trusted = pinned_key(args.public_key)
     assert trusted is not None  # required by the parser
     node_url = args.source if args.source.startswith(("http://", "https://")) else None
 
-    async def go() -> dict[str, Any]:
-        async with aiohttp.ClientSession() as session:
-            source: Any
-            if node_url is not None and args.archive is None:
-                source = NodeArchiveSource(session, node_url)
-            else:
-                source = StoreSource(open_store(settings, args.archive or args.source))
-            if args.lineage is not None:
-                lineage = args.lineage
-            elif node_url is not None:
-                lineage = await NodeArchiveSource(session, node_url).lineage()
-            else:
-                found = await archived_lineages(source.store)
-                if len(found) != 1:
-                    raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
-                lineage = found[0]
-            async with open_database(settings) as (db, _embedded, _label):
-                mirror = Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session)
-                if args.once:
-                    await mirror.archive_round()
-                    while await mirror.tail_round():
-                        pass
-                    return mirror.report()
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, stop.set)
-                await mirror.run(stop, poll_interval=args.poll)
-                return mirror.report()
+    async def open_mirror(session: aiohttp.ClientSession, db: Any) -> Mirror:
+        source, lineage = await _mirror_source(settings, session, args, node_url)
+        return Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session)
 
-    from actors.recovery.mirror import MirrorError
+    async def catch_up(mirror: Mirror) -> None:
+        await mirror.archive_round()
+        while await mirror.tail_round():
+            pass
+
+    async def go() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session, open_database(settings) as (db, _embedded, _label):
+            mirror = await open_mirror(session, db)
+            if args.once or args.serve:
+                # --serve catches up first, here: the database must be the mirror's (its corpus
+                # identity the source's) before a node opens it and would make one of its own.
+                await catch_up(mirror)
+                return mirror.report()
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await mirror.run(stop, poll_interval=args.poll)
+            return mirror.report()
 
     try:
         report = asyncio.run(go())
@@ -215,7 +207,49 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
         print(f"toastmachine: mirror stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     _print_json(report)
-    return 0
+    if not args.serve:
+        return 0
+    if report.get("tree_size", 0) == 0:
+        print("toastmachine: mirror: the source has published no archive segment yet, so the copy has no "
+              "corpus identity to serve; try again once its archiver published one", file=sys.stderr, flush=True)
+        return 1
+    return _serve_mirror(settings, args, open_mirror)
+
+
+def _serve_mirror(settings: Settings, args: argparse.Namespace,
+                  open_mirror: Callable[[Any, Any], Awaitable[Any]]) -> int:
+    """``mirror --serve``: the caught-up copy served read-only by a web front, its streams fed by a
+    publisher, while a :class:`~actors.recovery.mirror.MirrorFollower` keeps following the source."""
+    from actors.recovery.mirror import MirrorFollower
+    from toastmachine.cli import _announcer, _run
+    from toastmachine.node import Node, serve
+
+    def follower(node: Node) -> MirrorFollower:
+        return MirrorFollower(lambda session: open_mirror(session, node.db), poll_interval=args.poll)
+
+    return _run(serve(settings, actors=["publisher"], web=True, allow_memory_bus=True,
+                      announce=_announcer(settings), extra={"mirror": follower}))
+
+
+async def _mirror_source(settings: Settings, session: Any, args: argparse.Namespace,
+                         node_url: str | None) -> tuple[Any, uuid.UUID]:
+    """The archive source the mirror reads (the node's routes, or a store) and the lineage it copies."""
+    from actors.recovery.mirror import NodeArchiveSource
+    from actors.recovery.walk import StoreSource, archived_lineages
+
+    source: Any
+    if node_url is not None and args.archive is None:
+        source = NodeArchiveSource(session, node_url)
+    else:
+        source = StoreSource(open_store(settings, args.archive or args.source))
+    if args.lineage is not None:
+        return source, args.lineage
+    if node_url is not None:
+        return source, await NodeArchiveSource(session, node_url).lineage()
+    found = await archived_lineages(source.store)
+    if len(found) != 1:
+        raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
+    return source, found[0]
 
 
 def add_commands(sub: Any) -> None:
@@ -263,7 +297,11 @@ def add_commands(sub: Any) -> None:
                         help="read the node's archive from this store instead of its routes")
     mirror.add_argument("--lineage", type=_lineage, default=None,
                         help="the lineage to mirror (default: the node's, else the store's only one)")
-    mirror.add_argument("--once", action="store_true", help="catch up once and exit instead of following")
+    mode = mirror.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="catch up once and exit instead of following")
+    mode.add_argument("--serve", action="store_true",
+                      help="catch up, then serve the copy read-only (reads, exports, SSE) on TOASTMACHINE_HOST/PORT "
+                           "while following the source")
     mirror.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
                         help="pause between rounds when there is nothing new (default 1)")
     mirror.set_defaults(func=cmd_mirror)

@@ -39,9 +39,14 @@ PROVENANCE_SQL = ("select parent_lineage, checkpoint_size, encode(checkpoint_roo
                   " restored_through, restored_at from corpus_provenance")
 
 
+#: A mirror's source and progress (migration 0008), when this database is a mirror's.
+MIRROR_SQL = "select source, verified_through, applied_through, updated_at from corpus_mirror"
+
+
 async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> dict[str, Any]:
     """``GET /corpus``'s body. One statement sees one snapshot: the counts and the head agree.
-    A restored history also says where it came from (``provenance``; absent for an original one)."""
+    A restored history also says where it came from (``provenance``; absent for an original one),
+    and a mirror's database what it mirrors and how far (``mirror``; absent on a corpus of its own)."""
     row = await pool.fetchrow(CORPUS_INFO_SQL)
     body: dict[str, Any] = {
         "corpus_id": corpus_id, "lineage": lineage,
@@ -56,6 +61,11 @@ async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> 
             "parent_lineage": str(provenance["parent_lineage"]), "checkpoint_size": provenance["checkpoint_size"],
             "checkpoint_root": provenance["checkpoint_root"], "restored_through": provenance["restored_through"],
             "restored_at": rep.format_time(provenance["restored_at"])}
+    mirror = await pool.fetchrow(MIRROR_SQL)
+    if mirror is not None:
+        body["mirror"] = {"source": mirror["source"], "verified_through": mirror["verified_through"],
+                          "applied_through": mirror["applied_through"],
+                          "updated_at": rep.format_time(mirror["updated_at"])}
     return body
 
 

@@ -225,7 +225,14 @@ def representation_schemas() -> dict[str, Schema]:
                             "restored_through": ref("Sequence"),
                             "restored_at": {"type": "string", "format": "date-time"}},
                            description="A restored history: the lineage it was restored from and the signed "
-                                       "checkpoint it was verified against (absent for an original history).")})
+                                       "checkpoint it was verified against (absent for an original history)."),
+         "mirror": obj({"source": {"type": "string"}, "verified_through": ref("Count"),
+                        "applied_through": ref("Count"), "updated_at": {"type": "string", "format": "date-time"}},
+                       description="This node serves a read-only mirror (toastmachine mirror): the node or store it "
+                                   "mirrors, the highest change proven by its signed archive (verified_through) "
+                                   "and the highest applied, archived or not yet (applied_through). A mirror "
+                                   "registers and writes nothing (403 read_only_mirror); absent on a corpus of "
+                                   "its own.")})
     s["EventEnvelope"] = _event_envelope()
     s["SnapshotLine"] = {
         "description": "One line of GET /corpus/snapshot.jsonl: a current record and its sequence.",

@@ -19,6 +19,12 @@ from protocol.corpus import canonical_json
 from protocol.errors import ToastMachineError
 
 
+async def as_mirror(conn: Any) -> None:
+    """Mark the caller's transaction as the mirror's own: on a mirror's database (migration 0011)
+    only such a transaction may add agents or changes; everything else is refused (SQLSTATE 25006)."""
+    await conn.execute("set local toastmachine.mirror_apply = 'on'")
+
+
 class LoadRefused(ToastMachineError):
     """An event cannot be written: it names another corpus, has an unknown type, or breaks a rule."""
 

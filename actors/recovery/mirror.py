@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +37,12 @@ import aiohttp
 import orjson
 
 from actors.reads.archive import MANIFEST_PATH
-from actors.recovery.load import HistoryLoader, ensure_authors
+from actors.recovery.load import HistoryLoader, as_mirror, ensure_authors
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
+from infra.config import redact_url
 from infra.db import Database, connection
 from infra.logs import get_logger
+from infra.runtime import Actor
 from protocol.archive import (
     GENESIS_HASH,
     MAX_SEGMENT_BYTES,
@@ -112,7 +115,7 @@ class NodeArchiveSource:
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
         self.session = session
         self.base = base_url.rstrip("/")
-        self.description = f"node {self.base}"
+        self.description = f"node {redact_url(self.base)}"  # shown by GET /corpus: no password
         self._index: dict[str, Any] | None = None
 
     async def _fetch(self, path: str, max_bytes: int) -> bytes:
@@ -284,6 +287,7 @@ class Mirror:
             raise MirrorError(f"the checkpoint of size {manifest.tree_size} is refused: {e.kind}: {e}") from None
         corpus_id = _origin_corpus(checkpoint.origin)
         async with connection(self.db) as conn, conn.transaction():
+            await as_mirror(conn)
             state = await self._begin(conn, corpus_id)
             if checkpoint.size < state.tree.size:
                 raise MirrorFork(f"the archive shrank from {state.tree.size} to {checkpoint.size} events")
@@ -374,6 +378,7 @@ class Mirror:
             if events:
                 witness = await self.db.pool.fetchrow("select corpus_id from corpus_witness")
                 async with connection(self.db) as conn, conn.transaction():
+                    await as_mirror(conn)
                     fresh = await self._load_state(conn)
                     assert fresh is not None
                     events = [(s, e) for s, e in events if s > fresh.applied_through]
@@ -406,3 +411,41 @@ class Mirror:
         return {"lineage": str(self.lineage), "source": self.source.description, **self.state.to_json(),
                 # As the checkpoint's third line has it, to compare by eye with the node's.
                 "root_base64": base64.b64encode(self.state.tree.root()).decode()}
+
+
+class MirrorFollower(Actor):
+    """``toastmachine mirror --serve``: the mirror's rounds as an actor, beside the web front that
+    serves the copy (read-only: migration 0011) and the publisher that feeds its streams.
+
+    Args:
+        open_mirror: builds the :class:`Mirror` on an HTTP session this actor owns (the command's
+            source, lineage and pinned key), once per start.
+        poll_interval: seconds between rounds when nothing is new.
+
+    A round that fails (the node or store unreachable, a refused segment) crashes the actor, which
+    the supervisor restarts with back-off: the mirror resumes from its committed state, and a fork
+    keeps failing loudly instead of being served as the truth.
+    """
+
+    name = "mirror"
+
+    def __init__(self, open_mirror: Callable[[aiohttp.ClientSession], Awaitable[Mirror]], *,
+                 poll_interval: float = 1.0) -> None:
+        super().__init__()
+        self.open_mirror = open_mirror
+        self.poll_interval = poll_interval
+        self.mirror: Mirror | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def setup(self) -> None:
+        self._session = aiohttp.ClientSession()
+        self.mirror = await self.open_mirror(self._session)
+
+    async def run(self) -> None:
+        assert self.mirror is not None
+        await self.mirror.run(self._stop_requested, poll_interval=self.poll_interval)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

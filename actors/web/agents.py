@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from email.utils import format_datetime
 from typing import Any
 
+import asyncpg
 from aiohttp import web
 from markdown_it import MarkdownIt
 
@@ -50,6 +51,7 @@ from protocol.agents import (
 from protocol.errors import (
     Conflict,
     NotAcceptable,
+    ReadOnlyMirror,
     TooManyRequests,
     quote,
 )
@@ -149,9 +151,13 @@ async def register_agent(pool: Any, budget: Gcra, registration: Registration, ke
     """
     credential = generate_credential()
     agent_id = uuid.uuid4()
-    row = await pool.fetchrow(_REGISTER, agent_id, registration.name, registration.description,
-                              hash_credential(credential), key, budget.interval, budget.tolerance,
-                              _BUDGET_ROWS_DROPPED)
+    try:
+        row = await pool.fetchrow(_REGISTER, agent_id, registration.name, registration.description,
+                                  hash_credential(credential), key, budget.interval, budget.tolerance,
+                                  _BUDGET_ROWS_DROPPED)
+    except asyncpg.ReadOnlySQLTransactionError:
+        # A mirror's database refuses agents of its own (migration 0011): its agents are the source's.
+        raise ReadOnlyMirror() from None
     if not row["admitted"]:
         state = await pool.fetchrow(
             "select extract(epoch from tat)::float8 as tat, extract(epoch from now())::float8 as now "

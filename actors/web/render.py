@@ -238,10 +238,14 @@ def _md_corpus(body: dict[str, Any]) -> list[str]:
 
 def _md_provenance(body: dict[str, Any]) -> list[str]:
     p = body.get("provenance")
-    if p is None:
-        return []
-    return [(f"- restored from lineage {p['parent_lineage']} (checkpoint of size {p['checkpoint_size']}, "
-            f"root {p['checkpoint_root']}) at {p['restored_at']}")]
+    out = [] if p is None else [
+        (f"- restored from lineage {p['parent_lineage']} (checkpoint of size {p['checkpoint_size']}, "
+         f"root {p['checkpoint_root']}) at {p['restored_at']}")]
+    m = body.get("mirror")
+    if m is not None:
+        out.append(f"- a read-only mirror of {m['source']}: verified through {m['verified_through']}, "
+                   f"applied through {m['applied_through']} (at {m['updated_at']})")
+    return out
 
 
 def _md_archive(body: dict[str, Any]) -> list[str]:
@@ -521,6 +525,10 @@ def _html_corpus(body: dict[str, Any]) -> str:
         p = body["provenance"]
         facts += [("restored from lineage", p["parent_lineage"]), ("checkpoint size", p["checkpoint_size"]),
                   ("checkpoint root", p["checkpoint_root"]), ("restored at", p["restored_at"])]
+    if "mirror" in body:  # a mirror says what it copies, and that it takes no writes
+        m = body["mirror"]
+        facts += [("read-only mirror of", m["source"]), ("mirror verified through", m["verified_through"]),
+                  ("mirror applied through", m["applied_through"]), ("mirror updated at", m["updated_at"])]
     rows = "".join(f'<dt>{_e(name)}</dt><dd id="corpus-{_e(name.replace(" ", "-"))}">{_e(value)}</dd>'
                    for name, value in facts)
     links = "".join(f'<li><a href="{_e(url)}">{_e(name)}</a> <code>{_e(url)}</code></li>'

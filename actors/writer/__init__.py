@@ -36,6 +36,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+import asyncpg
+
 from actors.writer.store import CorpusStore, Outcome, Prepared
 from infra.bus.base import COMMANDS_EXCHANGE, Bus, Delivery, QueueKind, QueueSpec
 from infra.db import CorpusIdentity, Database
@@ -44,7 +46,7 @@ from infra.logs import get_logger
 from infra.ratelimit import Gcra
 from infra.runtime import ConsumerActor
 from protocol.commands import WriteCommand
-from protocol.errors import ApiError, DatabaseUnavailable, LineageMismatch, ServiceUnavailable
+from protocol.errors import ApiError, DatabaseUnavailable, LineageMismatch, ReadOnlyMirror, ServiceUnavailable
 from protocol.messages import BusMessage, ErrorReply, Ping, Pong
 from protocol.routing import LEGACY_WRITER_QUEUE, CorpusScope
 
@@ -159,6 +161,13 @@ class GroupCommit:
         except UNAVAILABLE_ERRORS as e:
             log.warning("writer.database_unavailable", error=repr(e), batch=len(batch))
             self._settle(batch, [(Outcome(error=_database_unavailable()), None)] * len(batch))
+            return
+        except asyncpg.ReadOnlySQLTransactionError:
+            # The database is a mirror's (migration 0011): nothing of this batch was committed, and
+            # nothing ever will be here; each command is told so (not dead-lettered: it is not bad).
+            log.error("writer.mirror_database", batch=len(batch),
+                      detail="this writer's database is a read-only mirror; it accepts no writes")
+            self._settle(batch, [(Outcome(error=ReadOnlyMirror()), None)] * len(batch))
             return
         except Exception as e:
             if len(batch) > 1:
