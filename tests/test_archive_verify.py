@@ -255,6 +255,8 @@ async def test_the_cli_exits_zero_when_clean_and_one_on_a_discrepancy(
         assert code == 1 and report["findings"][0]["kind"] == "missing_segment", report
         code, report, _ = await _run_cli(env, "archive", "verify", "--from-store", str(tmp_path / "nothing"))
         assert code == 1 and report["findings"][0]["kind"] == "nothing_verified"
+        assert "does not exist" in report["findings"][0]["message"], report
+        assert not (tmp_path / "nothing").exists(), "a verifier only reads: a mistyped path is not created"
     finally:
         await db.close()
 

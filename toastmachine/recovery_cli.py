@@ -29,11 +29,30 @@ def _print_json(value: Any) -> None:
     sys.stdout.buffer.flush()
 
 
-def open_store(settings: Settings, url: str | None) -> ArchiveStore:
+class NoSuchStore(ConfigError):
+    """A store given on the command line names a directory that does not exist."""
+
+    def __init__(self, message: str, description: str) -> None:
+        super().__init__(message)
+        #: The store as reports name it (``directory /abs/path``).
+        self.description = description
+
+
+def open_store(settings: Settings, url: str | None, *, option: str = "--from") -> ArchiveStore:
     """The store ``url`` names (directory, file:// or s3:// with the configured S3 options), else the
-    configured archive store."""
+    configured archive store.
+
+    These commands only read: a directory ``url`` that does not exist raises :class:`NoSuchStore`
+    (named after ``option``) instead of being created, so a mistyped path is reported, not
+    turned into an empty archive.
+    """
     if url is None:
         return ArchiveStore.from_settings(settings)
+    directory = ArchiveStore.local_directory(url, settings.data_dir)
+    if directory is not None and not directory.is_dir():
+        where = directory.expanduser().resolve()
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise NoSuchStore(f"{option} {url}: no archive there, the directory {where} {what}", f"directory {where}")
     return ArchiveStore.from_url(url, data_dir=settings.data_dir, s3=S3Options(
         settings.archive_s3_endpoint, settings.archive_s3_region,
         settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
@@ -82,7 +101,11 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
     from infra.db import read_identity
     from toastmachine.node import open_database
 
-    store = open_store(settings, args.from_store)
+    try:
+        store = open_store(settings, args.from_store, option="--from-store")
+    except NoSuchStore as e:
+        _print_json(_nothing(e.description, str(e)))  # the report's contract: nothing verified, exit 1
+        return 1
     trusted = pinned_key(args.public_key) or operator_key(settings)
 
     async def choose_lineage(db: Any) -> uuid.UUID | None:
@@ -102,12 +125,12 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
         if args.no_database:
             lineage = await choose_lineage(None)
             if lineage is None:
-                return _nothing(store)
+                return _nothing(store.description)
             return (await verify_archive(StoreSource(store), lineage, trusted=trusted)).to_json()
         async with open_database(settings) as (db, _embedded, _label):
             lineage = await choose_lineage(db)
             if lineage is None:
-                return _nothing(store)
+                return _nothing(store.description)
             return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
 
     report = asyncio.run(go())
@@ -115,9 +138,9 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _nothing(store: ArchiveStore) -> dict[str, Any]:
-    return {"ok": False, "archive": {"source": store.description}, "database": None,
-            "findings": [{"kind": "nothing_verified", "message": "no archived lineage in the store"}]}
+def _nothing(source: str, message: str = "no archived lineage in the store") -> dict[str, Any]:
+    return {"ok": False, "archive": {"source": source}, "database": None,
+            "findings": [{"kind": "nothing_verified", "message": message}]}
 
 
 # --- archive restore -------------------------------------------------------------------------------
@@ -136,8 +159,11 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         lineage = args.lineage
         if lineage is None:
             found = await archived_lineages(store)
+            if not found:
+                raise ConfigError(f"--from {args.source}: no archive there ({store.description} holds no "
+                                  "lineage with a manifest.json)")
             if len(found) != 1:
-                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found)) or 'none'}): "
+                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
                                   "choose one with --lineage")
             lineage = found[0]
         async with open_database(settings) as (db, _embedded, _label):
@@ -183,13 +209,16 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
             if node_url is not None and args.archive is None:
                 source = NodeArchiveSource(session, node_url)
             else:
-                source = StoreSource(open_store(settings, args.archive or args.source))
+                source = StoreSource(open_store(settings, args.archive or args.source,
+                                                option="--archive" if args.archive else "--from"))
             if args.lineage is not None:
                 lineage = args.lineage
             elif node_url is not None:
                 lineage = await NodeArchiveSource(session, node_url).lineage()
             else:
                 found = await archived_lineages(source.store)
+                if not found:
+                    raise ConfigError(f"no archive in {source.store.description} (no lineage with a manifest.json)")
                 if len(found) != 1:
                     raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
                 lineage = found[0]
