@@ -62,8 +62,19 @@ def pinned_key(text: str | None) -> VerifierKey | None:
     """A ``--public-key`` value: the verifier key itself, or a file holding it."""
     if text is None:
         return None
-    if "+" not in text and Path(text).is_file():
-        text = Path(text).read_text(encoding="utf-8")
+    if "+" not in text:
+        # No '+': not a key, so a file holding one; say which of the two went wrong.
+        path = Path(text)
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+            raise ConfigError(f"--public-key {text}: neither a verifier key (<name>+<key id>+<key>) nor a "
+                              f"readable file holding one ({reason})") from None
+        try:
+            return parse_verifier_key(content)
+        except CheckpointError as e:
+            raise ConfigError(f"--public-key {text}: the file does not hold a verifier key: {e}") from None
     try:
         return parse_verifier_key(text)
     except CheckpointError as e:
@@ -82,6 +93,16 @@ def operator_key(settings: Settings) -> VerifierKey | None:
         return parse_signer_key(path.read_text()).verifier()
     except (OSError, CheckpointError) as e:
         raise ConfigError(f"the archive signing key {path} cannot be read: {e}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:  # 0 or less would poll without pause; nan fails this test too
+        raise argparse.ArgumentTypeError(f"{text!r}: give more than 0 and at most 3600 seconds")
+    return value
 
 
 def _lineage(text: str) -> uuid.UUID:
@@ -293,6 +314,6 @@ def add_commands(sub: Any) -> None:
     mirror.add_argument("--lineage", type=_lineage, default=None,
                         help="the lineage to mirror (default: the node's, else the store's only one)")
     mirror.add_argument("--once", action="store_true", help="catch up once and exit instead of following")
-    mirror.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+    mirror.add_argument("--poll", type=_seconds, default=1.0, metavar="SECONDS",
                         help="pause between rounds when there is nothing new (default 1)")
     mirror.set_defaults(func=cmd_mirror)
