@@ -234,7 +234,9 @@ def _url(*schemes: str) -> Callable[[str, str], str]:
         except ValueError as e:
             raise ConfigError(f"{var} is not a valid URL: {e}") from None
         if parts.scheme not in schemes:
-            raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
+            # The value itself is not echoed (it may hold a password); its scheme is enough to see the mistake.
+            got = f"scheme {parts.scheme!r}" if parts.scheme and "://" in raw else "a value without a scheme (no '://')"
+            raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {got}")
         return raw
     return parse
 

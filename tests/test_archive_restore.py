@@ -289,6 +289,17 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
     async with fresh_database(database_url) as dsn:
         env = {**os.environ, "TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data"),
                "TOASTMACHINE_ARCHIVE_SIGNING_KEY": archived.key.text()}
+        # Mistakes first: a mistyped path and an empty directory are usage errors naming the path,
+        # nothing is created there, and the database stays empty (the restore below succeeds).
+        (tmp_path / "empty").mkdir()
+        for wrong, said in (("archiv", b"does not exist"), ("empty", b"no lineage with a manifest.json")):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "toastmachine.cli", "archive", "restore", "--from", str(tmp_path / wrong),
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert proc.returncode == 2, (out, err)
+            assert said in err and str(tmp_path / wrong).encode() in err and b"Traceback" not in err, err
+        assert not (tmp_path / "archiv").exists()
         for expected in (0, 1):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "toastmachine.cli", "archive", "restore", "--from", str(tmp_path / "archive"),

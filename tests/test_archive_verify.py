@@ -27,6 +27,7 @@ from infra.archive_store import ArchiveStore
 from infra.db import Database, ensure_identity
 from protocol.archive import HEADER_SIZE, TRAILER_SIZE, checkpoint_key
 from protocol.checkpoint import Checkpoint, generate_signer_key, sign_checkpoint
+from protocol.errors import ConfigError
 from tests.archive_fixtures import (
     Archived,
     archive_database,
@@ -255,6 +256,8 @@ async def test_the_cli_exits_zero_when_clean_and_one_on_a_discrepancy(
         assert code == 1 and report["findings"][0]["kind"] == "missing_segment", report
         code, report, _ = await _run_cli(env, "archive", "verify", "--from-store", str(tmp_path / "nothing"))
         assert code == 1 and report["findings"][0]["kind"] == "nothing_verified"
+        assert "does not exist" in report["findings"][0]["message"], report
+        assert not (tmp_path / "nothing").exists(), "a verifier only reads: a mistyped path is not created"
     finally:
         await db.close()
 
@@ -269,3 +272,31 @@ async def test_the_private_stream_is_verified_too(db: Database, store: ArchiveSt
     report = await _verify(db, store, archived)
     found = [f for f in report.findings if f.kind == "crc_mismatch"]
     assert found and found[0].key == key and found[0].index == 0, report.to_json()
+
+
+def test_the_public_key_option_says_what_is_wrong(tmp_path: Path) -> None:
+    """``--public-key`` takes the key or a file holding it; each mistake is named, never a traceback."""
+    from toastmachine.recovery_cli import pinned_key
+
+    key = generate_signer_key("toastmachine.archive/test").verifier()
+    (tmp_path / "public-key.txt").write_text(key.text() + "\n")
+    assert pinned_key(str(tmp_path / "public-key.txt")) == pinned_key(key.text()) == key
+    (tmp_path / "junk.txt").write_text("not a key\n")
+    (tmp_path / "latin.txt").write_bytes(b"\xff\xfe")
+    for value, said in ((str(tmp_path / "missing.txt"), "No such file or directory"),
+                        (str(tmp_path / "junk.txt"), "the file does not hold a verifier key"),
+                        (str(tmp_path / "latin.txt"), "not UTF-8 text"),
+                        (str(tmp_path), "Is a directory"),
+                        ("name+0011+AAAA", "--public-key: ")):
+        with pytest.raises(ConfigError) as info:
+            pinned_key(value)
+        assert said in str(info.value), (value, str(info.value))
+
+
+@pytest.mark.parametrize("poll", ["0", "-1", "nan", "abc", "7200"])
+def test_the_mirror_poll_option_refuses_what_would_spin_or_stall(poll: str) -> None:
+    from toastmachine.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["mirror", "--from", "x", "--public-key", "k", "--poll", poll])
+    assert info.value.code == 2

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.exclusive import hold_data_dir
 from tests import procs, services
 
 pytestmark = pytest.mark.timeout(180)
@@ -81,6 +82,19 @@ async def test_split_processes_need_amqp_url(tmp_path: Path) -> None:
         assert "TOASTMACHINE_AMQP_URL" in text and "toastmachine up" in text
         assert "Traceback" not in text
         assert not (tmp_path / "postgres").exists(), "refused before touching any service"
+
+
+async def test_a_missing_amqp_url_is_said_before_a_held_data_directory(tmp_path: Path) -> None:
+    """The usage error is what is wrong with the command line, even beside a running node (the
+    README's `toastmachine web` next to `toastmachine up` on the same DATA_DIR)."""
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path))
+    with hold_data_dir(tmp_path):  # as a running node holds it
+        for args in (("web",), ("mcp",), ("run", "writer")):
+            proc = await procs.start(*args, env=env)
+            assert await proc.wait() == 2, proc.output
+            text = "\n".join(proc.output)
+            assert "TOASTMACHINE_AMQP_URL is not set" in text and "already using" not in text, text
+            assert "Traceback" not in text
 
 
 async def test_unknown_actor_is_a_usage_error(tmp_path: Path) -> None:

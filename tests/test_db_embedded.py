@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 
 from infra.db import Database, EmbeddedPostgres, start_embedded
 from protocol.errors import DatabaseUnavailable
@@ -131,3 +132,49 @@ async def test_a_killed_node_does_not_keep_the_server_alive_forever(tmp_path: Pa
     finally:
         await server.stop()
     await _assert_unreachable(server.dsn)
+
+
+#: A node that lets go when told to (a line on stdin), as a stopping node does.
+_POLITE_HOLDER = """
+import asyncio, sys
+from pathlib import Path
+from infra.db import start_embedded
+
+async def main():
+    server = await start_embedded(Path(sys.argv[1]))
+    print("READY " + server.dsn, flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    await server.stop()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_command_beside_a_running_node_leaves_the_server_running(tmp_path: Path) -> None:
+    """A one-shot command (``archive status``, ``guide set``) shares a running node's server: letting
+    go says so (``db.embedded_left_running``), not ``db.embedded_stopped``, and the server stays up
+    until the node itself stops."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _POLITE_HOLDER, str(tmp_path), cwd=ROOT, env=clean_env(),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        async with asyncio.timeout(60):
+            while not (line := (await proc.stdout.readline()).decode()).startswith("READY "):
+                assert line, "the holder process exited before its server was ready"
+        server = await start_embedded(tmp_path)
+        with structlog.testing.capture_logs() as logs:
+            await server.stop()
+        events = [entry for entry in logs if entry["event"].startswith("db.embedded_")]
+        assert [e["event"] for e in events] == ["db.embedded_left_running"], logs
+        assert events[0]["used_by"] == [proc.pid]
+        db = await Database.connect(server.dsn, max_size=1)  # still up for the node
+        await db.close()
+    finally:
+        # The holder stops as a node does (a SIGKILL would leave its server running).
+        assert proc.stdin is not None
+        proc.stdin.write(b"stop\n")
+        await proc.stdin.drain()
+        async with asyncio.timeout(60):
+            assert await proc.wait() == 0
+    await _assert_unreachable(server.dsn)  # the node was the last user: its stop stopped the server

@@ -225,6 +225,10 @@ async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -
             report = orjson.loads(out)
             assert report["tree_size"] == archived.size and report["root"] == archived.root.hex()
         stranger = generate_signer_key(archived.key.name).verifier().text()
+        # A mistyped store path: a usage error naming it, and no empty archive made there.
+        code, _, err = await _cli(env, "mirror", "--from", str(tmp_path / "archiv"), "--public-key", key, "--once")
+        assert code == 2 and b"does not exist" in err and b"Traceback" not in err, err
+        assert not (tmp_path / "archiv").exists()
         # A tampered segment: refused, and nothing of the round is committed.
         async with fresh_database(database_url) as other:
             store = ArchiveStore.local(tmp_path / "archive")

@@ -108,3 +108,27 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
     assert "command not found" not in text and "Traceback" not in text, text
     for name in ("web.1", "writer.1", "publisher.1"):
         assert re.search(rf"{re.escape(name)} stopped \(rc=0\)", text), text
+
+
+PYTHON_RE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def test_the_readme_python_example_is_real_sdk_code() -> None:
+    """The MCP section's Python example names what the installed SDK has: its imports import, the
+    calls it makes exist with those parameters, and it parses (inside an async function, where it runs)."""
+    import ast
+    import inspect
+
+    blocks = PYTHON_RE.findall(README.read_text())
+    assert blocks, "the MCP section has a Python example"
+    for block in blocks:
+        tree = ast.parse("async def example():\n" + "".join("    " + line + "\n" for line in block.splitlines()))
+        imports: list[ast.stmt] = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+        namespace: dict[str, object] = {}
+        exec(compile(ast.Module(body=imports, type_ignores=[]), "README.md", "exec"), namespace)  # noqa: S102
+    from mcp import Client
+    from mcp.client.auth import OAuthClientProvider
+
+    assert "listen" in dir(Client) and "call_tool" in dir(Client)
+    assert {"redirect_handler", "callback_handler"} <= set(inspect.signature(OAuthClientProvider).parameters)
+    assert "http_client" in inspect.signature(namespace["streamable_http_client"]).parameters  # type: ignore[arg-type]

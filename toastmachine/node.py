@@ -108,6 +108,15 @@ async def open_database(settings: Settings, *, custom_plans: bool = False, appli
             await embedded.stop()
 
 
+def require_bus_url(settings: Settings, *, allow_memory_bus: bool) -> None:
+    """Raise ConfigError when no AMQP_URL is set and the in-process bus is not allowed here."""
+    if settings.amqp_url is None and not allow_memory_bus:
+        raise ConfigError(
+            "TOASTMACHINE_AMQP_URL is not set: processes of a multi-process node talk over RabbitMQ. "
+            "Set it (e.g. amqp://guest:guest@127.0.0.1:5672/), or run everything in one process with "
+            "'toastmachine up', which uses the in-process bus.")
+
+
 @contextlib.asynccontextmanager
 async def open_node(settings: Settings, *, allow_memory_bus: bool, web: bool = False) -> AsyncIterator[Node]:
     """Connect the database and the bus for one process and check the corpus identity.
@@ -115,11 +124,7 @@ async def open_node(settings: Settings, *, allow_memory_bus: bool, web: bool = F
     Raises ConfigError when no AMQP_URL is set and the in-process bus is not allowed here,
     DatabaseUnavailable / BusUnavailable when a service cannot be reached at start.
     """
-    if settings.amqp_url is None and not allow_memory_bus:
-        raise ConfigError(
-            "TOASTMACHINE_AMQP_URL is not set: processes of a multi-process node talk over RabbitMQ. "
-            "Set it (e.g. amqp://guest:guest@127.0.0.1:5672/), or run everything in one process with "
-            "'toastmachine up', which uses the in-process bus.")
+    require_bus_url(settings, allow_memory_bus=allow_memory_bus)
     async with open_database(settings, custom_plans=web) as (db, embedded, label):
         identity: CorpusIdentity | None = None
         identity_error: LineageMismatch | None = None
@@ -160,9 +165,13 @@ async def serve(settings: Settings, *, actors: list[str], web: bool, allow_memor
                 extra: Mapping[str, Callable[[Node], Actor]] | None = None) -> int:
     """Run ``actors`` and ``extra`` (and the fronts) until SIGTERM/SIGINT; return the process exit code.
 
-    Raises AlreadyInUse at once, before starting anything, when another process holds the embedded
+    Raises ConfigError when no AMQP_URL is set and the in-process bus is not allowed, then
+    AlreadyInUse at once, before starting anything, when another process holds the embedded
     database's data directory or (for the web front) the port.
     """
+    # A usage error first: a missing AMQP_URL is the answer even when another process holds the
+    # data directory or the port (the lock is not what is wrong with this command line).
+    require_bus_url(settings, allow_memory_bus=allow_memory_bus)
     with contextlib.ExitStack() as exclusive:
         if settings.database_url is None:
             # DATA_DIR holds the embedded database: one serving process may own it, not two.

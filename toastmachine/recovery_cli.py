@@ -30,11 +30,30 @@ def _print_json(value: Any) -> None:
     sys.stdout.buffer.flush()
 
 
-def open_store(settings: Settings, url: str | None) -> ArchiveStore:
+class NoSuchStore(ConfigError):
+    """A store given on the command line names a directory that does not exist."""
+
+    def __init__(self, message: str, description: str) -> None:
+        super().__init__(message)
+        #: The store as reports name it (``directory /abs/path``).
+        self.description = description
+
+
+def open_store(settings: Settings, url: str | None, *, option: str = "--from") -> ArchiveStore:
     """The store ``url`` names (directory, file:// or s3:// with the configured S3 options), else the
-    configured archive store."""
+    configured archive store.
+
+    These commands only read: a directory ``url`` that does not exist raises :class:`NoSuchStore`
+    (named after ``option``) instead of being created, so a mistyped path is reported, not
+    turned into an empty archive.
+    """
     if url is None:
         return ArchiveStore.from_settings(settings)
+    directory = ArchiveStore.local_directory(url, settings.data_dir)
+    if directory is not None and not directory.is_dir():
+        where = directory.expanduser().resolve()
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise NoSuchStore(f"{option} {url}: no archive there, the directory {where} {what}", f"directory {where}")
     return ArchiveStore.from_url(url, data_dir=settings.data_dir, s3=S3Options(
         settings.archive_s3_endpoint, settings.archive_s3_region,
         settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
@@ -44,8 +63,19 @@ def pinned_key(text: str | None) -> VerifierKey | None:
     """A ``--public-key`` value: the verifier key itself, or a file holding it."""
     if text is None:
         return None
-    if "+" not in text and Path(text).is_file():
-        text = Path(text).read_text(encoding="utf-8")
+    if "+" not in text:
+        # No '+': not a key, so a file holding one; say which of the two went wrong.
+        path = Path(text)
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "not UTF-8 text"
+            raise ConfigError(f"--public-key {text}: neither a verifier key (<name>+<key id>+<key>) nor a "
+                              f"readable file holding one ({reason})") from None
+        try:
+            return parse_verifier_key(content)
+        except CheckpointError as e:
+            raise ConfigError(f"--public-key {text}: the file does not hold a verifier key: {e}") from None
     try:
         return parse_verifier_key(text)
     except CheckpointError as e:
@@ -66,6 +96,16 @@ def operator_key(settings: Settings) -> VerifierKey | None:
         raise ConfigError(f"the archive signing key {path} cannot be read: {e}") from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:  # 0 or less would poll without pause; nan fails this test too
+        raise argparse.ArgumentTypeError(f"{text!r}: give more than 0 and at most 3600 seconds")
+    return value
+
+
 def _lineage(text: str) -> uuid.UUID:
     try:
         return uuid.UUID(text)
@@ -83,7 +123,11 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
     from infra.db import read_identity
     from toastmachine.node import open_database
 
-    store = open_store(settings, args.from_store)
+    try:
+        store = open_store(settings, args.from_store, option="--from-store")
+    except NoSuchStore as e:
+        _print_json(_nothing(e.description, str(e)))  # the report's contract: nothing verified, exit 1
+        return 1
     trusted = pinned_key(args.public_key) or operator_key(settings)
 
     async def choose_lineage(db: Any) -> uuid.UUID | None:
@@ -103,12 +147,12 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
         if args.no_database:
             lineage = await choose_lineage(None)
             if lineage is None:
-                return _nothing(store)
+                return _nothing(store.description)
             return (await verify_archive(StoreSource(store), lineage, trusted=trusted)).to_json()
         async with open_database(settings) as (db, _embedded, _label):
             lineage = await choose_lineage(db)
             if lineage is None:
-                return _nothing(store)
+                return _nothing(store.description)
             return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
 
     report = asyncio.run(go())
@@ -116,9 +160,9 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _nothing(store: ArchiveStore) -> dict[str, Any]:
-    return {"ok": False, "archive": {"source": store.description}, "database": None,
-            "findings": [{"kind": "nothing_verified", "message": "no archived lineage in the store"}]}
+def _nothing(source: str, message: str = "no archived lineage in the store") -> dict[str, Any]:
+    return {"ok": False, "archive": {"source": source}, "database": None,
+            "findings": [{"kind": "nothing_verified", "message": message}]}
 
 
 # --- archive restore -------------------------------------------------------------------------------
@@ -137,8 +181,11 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         lineage = args.lineage
         if lineage is None:
             found = await archived_lineages(store)
+            if not found:
+                raise ConfigError(f"--from {args.source}: no archive there ({store.description} holds no "
+                                  "lineage with a manifest.json)")
             if len(found) != 1:
-                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found)) or 'none'}): "
+                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
                                   "choose one with --lineage")
             lineage = found[0]
         async with open_database(settings) as (db, _embedded, _label):
@@ -241,12 +288,15 @@ async def _mirror_source(settings: Settings, session: Any, args: argparse.Namesp
     if node_url is not None and args.archive is None:
         source = NodeArchiveSource(session, node_url)
     else:
-        source = StoreSource(open_store(settings, args.archive or args.source))
+        source = StoreSource(open_store(settings, args.archive or args.source,
+                                        option="--archive" if args.archive else "--from"))
     if args.lineage is not None:
         return source, args.lineage
     if node_url is not None:
         return source, await NodeArchiveSource(session, node_url).lineage()
     found = await archived_lineages(source.store)
+    if not found:
+        raise ConfigError(f"no archive in {source.store.description} (no lineage with a manifest.json)")
     if len(found) != 1:
         raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
     return source, found[0]
@@ -302,6 +352,6 @@ def add_commands(sub: Any) -> None:
     mode.add_argument("--serve", action="store_true",
                       help="catch up, then serve the copy read-only (reads, exports, SSE) on TOASTMACHINE_HOST/PORT "
                            "while following the source")
-    mirror.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+    mirror.add_argument("--poll", type=_seconds, default=1.0, metavar="SECONDS",
                         help="pause between rounds when there is nothing new (default 1)")
     mirror.set_defaults(func=cmd_mirror)

@@ -42,12 +42,17 @@ class EmbeddedPostgres:
             return
         self._stopped = True
         try:
-            await asyncio.to_thread(_stop, self._server)
+            others = await asyncio.to_thread(_stop, self._server)
         except Exception as e:  # noqa: BLE001 - shutdown goes on; the server log says more
             log.error("db.embedded_stop_failed", data_dir=str(self.data_dir), server_log=str(self.log_path),
                       error=f"{type(e).__name__}: {_first_line(e)}")
             return
-        log.info("db.embedded_stopped", data_dir=str(self.data_dir))
+        if others:
+            # A one-shot command beside a running node: saying "stopped" here would read as if the
+            # node had lost its database.
+            log.info("db.embedded_left_running", data_dir=str(self.data_dir), used_by=others)
+        else:
+            log.info("db.embedded_stopped", data_dir=str(self.data_dir))
 
 
 async def start_embedded(data_dir: Path) -> EmbeddedPostgres:
@@ -89,9 +94,16 @@ def _start(pgdata: Path) -> Any:
         raise
 
 
-def _stop(server: Any) -> None:
+def _stop(server: Any) -> list[int]:
+    """Let go of the server, stopping it if this process was its last user; return the PIDs of
+    the other processes still using it (then it keeps running)."""
     _forget_dead_handles(server)
+    try:
+        others = sorted(pid for pid in server.global_process_id_list.get() if pid != os.getpid())
+    except Exception:  # noqa: BLE001 - pgserver's internals; only the log line depends on it
+        others = []
     server.cleanup()
+    return others
 
 
 def _forget_dead_handles(server: Any) -> None:
