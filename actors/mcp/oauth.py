@@ -250,7 +250,7 @@ class StoredRefreshToken(RefreshToken):
 
 
 class StoredAccessToken(AccessToken):
-    """A valid access token: ``subject`` is the agent id, ``claims`` carry ``agent_name`` and ``grant_id``."""
+    """A valid access token: ``subject`` is the agent id, ``claims`` carry ``agent_name``, ``grant_id`` and ``onboarded``."""
 
     grant_id: str
 
@@ -585,7 +585,8 @@ class OAuthStore:
             return None
         row = await self.db.pool.fetchrow(
             "select t.grant_id, t.scopes, extract(epoch from t.expires_at)::float8 as expires_at,"
-            " g.client_id, g.resource, g.agent_id, a.name as agent_name, g.scopes as grant_scopes"
+            " g.client_id, g.resource, g.agent_id, a.name as agent_name, g.scopes as grant_scopes,"
+            " a.onboarded_at is not null as onboarded"
             " from oauth_tokens t join oauth_grants g using (grant_id) join oauth_clients c using (client_id)"
             " join agents a on a.agent_id = g.agent_id"
             " where t.token_hash = $1 and t.kind = 'access' and t.expires_at > now()"
@@ -602,7 +603,7 @@ class OAuthStore:
                                  expires_at=int(row["expires_at"]), resource=row["resource"],
                                  subject=str(row["agent_id"]),
                                  claims={"iss": self.issuer, "agent_name": row["agent_name"],
-                                         "grant_id": str(row["grant_id"])},
+                                         "grant_id": str(row["grant_id"]), "onboarded": bool(row["onboarded"])},
                                  grant_id=str(row["grant_id"]))
 
     # -- revocation --
