@@ -33,11 +33,9 @@ key :data:`DOCUMENT_KEY` holds its expiry) so every node shares it, and is fetch
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import hmac
 import secrets
-import time
 import uuid
 from dataclasses import dataclass
 from ipaddress import ip_address
@@ -65,7 +63,6 @@ from actors.mcp.client_documents import (
     check_document_url,
     is_document_client_id,
 )
-from actors.mcp.token_cache import TokenCache
 from infra.db.pool import Database
 from infra.logs import get_logger
 
@@ -274,11 +271,8 @@ class PendingRequest:
 class OAuthStore:
     """Our ``OAuthAuthorizationServerProvider``: policy and PostgreSQL storage (see the module doc)."""
 
-    def __init__(self, db: Database, issuer: str, documents: DocumentFetcher | None = None,
-                 tokens: TokenCache[StoredAccessToken] | None = None) -> None:
+    def __init__(self, db: Database, issuer: str, documents: DocumentFetcher | None = None) -> None:
         self.db = db
-        #: Verified access tokens kept in memory (:mod:`actors.mcp.token_cache`); None: none kept.
-        self.tokens = tokens
         #: Fetches client ID metadata documents; None refuses every URL client id.
         self.documents = documents
         self.issuer = issuer.rstrip("/")
@@ -589,21 +583,14 @@ class OAuthStore:
     async def load_access_token(self, token: str) -> StoredAccessToken | None:
         if not token or len(token) > 512:
             return None
-        key = digest(token)
-        cache = self.tokens
-        if cache is not None and (kept := cache.get(key)) is not None:
-            return kept
-        generation = cache.generation() if cache is not None else 0
-        sent = time.monotonic()
         row = await self.db.pool.fetchrow(
             "select t.grant_id, t.scopes, extract(epoch from t.expires_at)::float8 as expires_at,"
-            " extract(epoch from t.expires_at - now())::float8 as remaining,"
             " g.client_id, g.resource, g.agent_id, a.name as agent_name, g.scopes as grant_scopes,"
             " a.onboarded_at is not null as onboarded"
             " from oauth_tokens t join oauth_grants g using (grant_id) join oauth_clients c using (client_id)"
             " join agents a on a.agent_id = g.agent_id"
             " where t.token_hash = $1 and t.kind = 'access' and t.expires_at > now()"
-            " and t.revoked_at is null and g.revoked_at is null", key)
+            " and t.revoked_at is null and g.revoked_at is null", digest(token))
         if row is None:
             return None
         scopes = list(row["scopes"] or [])
@@ -612,17 +599,12 @@ class OAuthStore:
                 or row["resource"] != self.resource):
             log.warning("oauth.token_record_invalid", grant_id=str(row["grant_id"]))
             return None
-        stored = StoredAccessToken(token=token, client_id=row["client_id"], scopes=scopes,
-                                   expires_at=int(row["expires_at"]), resource=row["resource"],
-                                   subject=str(row["agent_id"]),
-                                   claims={"iss": self.issuer, "agent_name": row["agent_name"],
-                                           "grant_id": str(row["grant_id"]), "onboarded": bool(row["onboarded"])},
-                                   grant_id=str(row["grant_id"]))
-        if cache is not None:
-            # Until the database's own expiry at the latest, counted from before the query was sent.
-            cache.put(key, stored, grant_id=stored.grant_id, generation=generation, sent=sent,
-                      remaining=float(row["remaining"]))
-        return stored
+        return StoredAccessToken(token=token, client_id=row["client_id"], scopes=scopes,
+                                 expires_at=int(row["expires_at"]), resource=row["resource"],
+                                 subject=str(row["agent_id"]),
+                                 claims={"iss": self.issuer, "agent_name": row["agent_name"],
+                                         "grant_id": str(row["grant_id"]), "onboarded": bool(row["onboarded"])},
+                                 grant_id=str(row["grant_id"]))
 
     # -- revocation --
 
@@ -635,15 +617,9 @@ class OAuthStore:
     async def revoke_grant(self, grant_id: uuid.UUID | str, *, reason: str) -> bool:
         """Revoke a grant (and with it every code and token of its family); False if it was not live."""
         key = grant_id if isinstance(grant_id, uuid.UUID) else uuid.UUID(grant_id)
-        with contextlib.ExitStack() as stack:
-            # Waiting from before the update: the notification may arrive before its answer does.
-            delivered = stack.enter_context(self.tokens.expect(str(key))) if self.tokens is not None else None
-            done = await self.db.pool.fetchval(
-                "with g as (update oauth_grants set revoked_at = now() where grant_id = $1 and revoked_at is null"
-                " returning 1) select exists (select 1 from g)", key)
-            if done and delivered is not None:
-                # Answer once the change reached this node's LISTEN (sent to every node's at the same commit).
-                await delivered()
+        done = await self.db.pool.fetchval(
+            "with g as (update oauth_grants set revoked_at = now() where grant_id = $1 and revoked_at is null"
+            " returning 1) select exists (select 1 from g)", key)
         if done:
             log.warning("oauth.grant_revoked", grant_id=str(key), reason=reason)
         return bool(done)
