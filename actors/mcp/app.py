@@ -58,6 +58,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from actors.mcp import wire
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
@@ -123,6 +124,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
               subscriptions: SubscriptionBus | None = None) -> ASGIApp:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers and
     ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None)."""
+    # 2026-07-28 replies encoded once, by orjson (actors/mcp/wire.py: the one SDK internal we touch).
+    wire.install()
     issuer = settings.mcp_base_url
     documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
     store = OAuthStore(db, issuer, documents)
