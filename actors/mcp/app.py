@@ -121,9 +121,11 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
 
 
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools,
-              subscriptions: SubscriptionBus | None = None) -> ASGIApp:
+              subscriptions: SubscriptionBus | None = None,
+              stream_opened: Callable[[str], None] | None = None) -> ASGIApp:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers and
-    ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None)."""
+    ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None);
+    ``stream_opened(session_id)`` is called when a 2025-11-25 session's GET stream opens."""
     # 2026-07-28 replies encoded once, by orjson (actors/mcp/wire.py: the one SDK internal we touch).
     wire.install()
     issuer = settings.mcp_base_url
@@ -147,7 +149,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
                                BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
                                resource_metadata=f"{issuer}/.well-known/oauth-protected-resource/mcp",
-                               scopes=tool_scopes, all_scopes=" ".join(SCOPES))
+                               scopes=tool_scopes, all_scopes=" ".join(SCOPES), stream_opened=stream_opened)
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
     # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
