@@ -1,4 +1,4 @@
-"""actors/mcp/wire.py, the one SDK internal the MCP front uses: it must still be there, shaped as
+"""actors/mcp/wire.py and the SDK internal it wraps: it must still be there, shaped as
 assumed, and the body written must be the same JSON as the SDK's own ``_write`` writes.
 
 Both writers run as ASGI apps and their answers (status, headers, body) are compared; the SDK's

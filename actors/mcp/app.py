@@ -126,7 +126,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers and
     ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None);
     ``stream_opened(session_id)`` is called when a 2025-11-25 session's GET stream opens."""
-    # 2026-07-28 replies encoded once, by orjson (actors/mcp/wire.py: the one SDK internal we touch).
+    # 2026-07-28 replies encoded once, by orjson (actors/mcp/wire.py wraps an SDK internal).
     wire.install()
     issuer = settings.mcp_base_url
     documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)

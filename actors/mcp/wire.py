@@ -1,6 +1,6 @@
 """The JSON body of a JSON-mode reply of the SDK's stateless (2026-07-28) transport, written once.
 
-The one use of an SDK internal in the MCP front, kept here and nowhere else. In JSON-response mode
+It wraps an SDK internal on the path of every call, in this module alone. In JSON-response mode
 the SDK answers a 2026-07-28 request with ``mcp.server._streamable_http_modern._write(msg, ...)``:
 ``msg`` is a ``JSONRPCResponse`` whose ``result`` its runner has already dumped to JSON types
 (``serialize_server_result``: validated against the revision's result model, dumped in pydantic's
