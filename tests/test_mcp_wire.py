@@ -1,4 +1,5 @@
-"""actors/mcp/wire.py and the SDK internal it wraps: it must still be there, shaped as
+"""The SDK seams on the MCP front's call path: actors/mcp/server.py's ``get_tool_input_schema``
+answer, and actors/mcp/wire.py with the SDK internal it wraps, which must still be there, shaped as
 assumed, and the body written must be the same JSON as the SDK's own ``_write`` writes.
 
 Both writers run as ASGI apps and their answers (status, headers, body) are compared; the SDK's
@@ -8,15 +9,19 @@ function is the one ``handle_modern_request`` calls, looked up by its module nam
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 import pytest
 from mcp.server import _streamable_http_modern as modern
+from mcp.shared.inbound import X_MCP_HEADER_KEY, validate_mcp_param_headers
 from mcp_types import ErrorData, JSONRPCError, JSONRPCResponse
+from pydantic import Field
 
 from actors.mcp import wire
 from actors.mcp.app import build_app
+from actors.mcp.server import ToastMachineServer, declares_header
+from actors.mcp.tools import ToolDeps, register_tools
 from infra.config import Settings
 
 
@@ -86,3 +91,48 @@ async def test_errors_are_left_to_the_sdk() -> None:
                 JSONRPCError(jsonrpc="2.0", id=3, error=ErrorData(code=-32602, message="bad params"))):
         assert wire.encode_response(msg) is None  # type: ignore[arg-type]
         assert await _answer(wire.fast_write(_sdk_write()), msg) == await _answer(_sdk_write(), msg)
+
+
+# --- the get_tool_input_schema hook (actors/mcp/server.py) ---------------------------------------------
+
+
+def _served() -> ToastMachineServer:
+    server = ToastMachineServer("hooks-test")
+    deps = ToolDeps(db=None, bus=None, settings=Settings(), identity=None, identity_error=None,  # type: ignore[arg-type]
+                    grant=lambda: None)  # type: ignore[arg-type,return-value]
+    register_tools(server, deps)  # registration touches neither the database nor the bus
+    return server
+
+
+def test_the_sdk_asks_our_hook_for_header_schemas() -> None:
+    server = _served()
+    hook = server._lowlevel_server.get_tool_input_schema
+    assert getattr(hook, "__func__", None) is ToastMachineServer._tool_input_schema
+
+
+def test_no_tool_declares_a_header_so_the_hook_answers_none_and_the_sdk_would_find_nothing() -> None:
+    server = _served()
+    tools = server._tool_manager.list_tools()
+    assert len(tools) == 18
+    headers = {"mcp-param-conversation": "x", "mcp-param-limit": "5", "mcp-method": "tools/call"}
+    for tool in tools:
+        assert not declares_header(tool.parameters), tool.name
+        assert server._tool_input_schema(tool.name) is None
+        # What the SDK's check says against the real schema: nothing, for any headers.
+        arguments = {name: "x" for name in tool.parameters.get("properties", {})}
+        assert validate_mcp_param_headers(tool.parameters, arguments, headers) is None
+    assert server._tool_input_schema("no_such_tool") is None
+
+
+def test_a_tool_that_declares_a_header_gets_its_schema_and_the_sdks_check() -> None:
+    server = ToastMachineServer("hooks-test")
+
+    @server.tool(name="routed")
+    async def routed(region: Annotated[str, Field(json_schema_extra={X_MCP_HEADER_KEY: "Region"})]) -> str:
+        return region
+
+    schema = server._tool_input_schema("routed")
+    assert schema is not None and declares_header(schema)
+    rejection = validate_mcp_param_headers(schema, {"region": "eu"}, {"mcp-param-region": "us"})
+    assert rejection is not None
+    assert validate_mcp_param_headers(schema, {"region": "eu"}, {"mcp-param-region": "eu"}) is None
