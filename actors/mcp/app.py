@@ -64,8 +64,9 @@ from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SetHeaders
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
-from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
+from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore, StoredAccessToken
 from actors.mcp.server import ToastMachineServer
+from actors.mcp.token_cache import TokenCache, following
 from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
@@ -130,7 +131,10 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     wire.install()
     issuer = settings.mcp_base_url
     documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
-    store = OAuthStore(db, issuer, documents)
+    # Verified tokens kept for seconds, forgotten on every node at once on any change (LISTEN in the
+    # lifespan below; bypassed whenever that LISTEN is not known to be up).
+    tokens: TokenCache[StoredAccessToken] = TokenCache()
+    store = OAuthStore(db, issuer, documents, tokens)
     # serverInfo names the release (clients show it; the 2026-07-28 `_meta` stamp counts on a version).
     server: MCPServer = ToastMachineServer(name="toastmachine", title="ToastMachine",
                                            version=importlib.metadata.version("toastmachine"),
@@ -192,11 +196,13 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        async with server.session_manager.run():
+        async with server.session_manager.run(), following(db, tokens) as listener:
+            rest.state.token_listener = listener
             yield
 
     rest = Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(SetHeaders, headers=(SERVER_HEADER,))])
+    rest.state.token_cache = tokens
     return _Front(mcp_endpoint, rest)
 
 
