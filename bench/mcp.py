@@ -33,7 +33,8 @@ the client (some 50-100 calls/s there), whatever the server does; ``jsonrpc`` me
 The HTTP API's clients are one aiohttp session.
 
 Then token verification in isolation: the MCP front's verifier (``ProviderTokenVerifier`` over
-:class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request) is called in
+:class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request; built here
+without the front's token cache, so this is the database read a first call or a miss costs) is called in
 this process for the agents' real tokens, ``--verifications`` times one at a time, against the node's
 database through a pool of the node's size; the no-auth baseline is the bare database round trip
 (``select 1``) on the same pool, measured the same way and interleaved with it. Prints p50/p99 of

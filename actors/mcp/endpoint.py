@@ -17,8 +17,8 @@ used to be five nested middlewares and a second Starlette app:
 6. the SDK's session manager (``handle_request``, its public entry: body limit, DNS-rebinding
    checks, both protocol revisions).
 
-Token verification is one database round trip per request on purpose: no cache, so a revoked grant
-stops working at once on every MCP process.
+Token verification may be answered from the process's token cache (:mod:`actors.mcp.token_cache`),
+but only behind a barrier that makes a revoked grant stop working at once on every MCP process.
 """
 
 from __future__ import annotations
