@@ -36,7 +36,7 @@ async def _failed() -> bool:
 
 def _live_cache(ttl: float = 60) -> TokenCache[str]:
     cache: TokenCache[str] = TokenCache(ttl=ttl)
-    cache.barrier = _passed
+    cache.resume(_passed)
     return cache
 
 
@@ -96,9 +96,19 @@ async def test_a_read_that_raced_a_notification_is_not_kept_and_notifications_fo
     assert len(cache) == 0
 
 
+def test_a_read_begun_before_the_listen_was_up_is_not_kept() -> None:
+    cache: TokenCache[str] = TokenCache(ttl=60)
+    before = cache.generation()  # a verification's read starts while no LISTEN is up ...
+    cache.resume(_passed)  # ... the LISTEN comes up (it would not hear of a change before it) ...
+    _put(cache, b"k", "token", generation=before)  # ... and the read's answer arrives
+    assert len(cache) == 0
+    _put(cache, b"k", "token")
+    assert len(cache) == 1
+
+
 def test_the_cache_is_bounded() -> None:
     cache: TokenCache[int] = TokenCache(ttl=60, max_entries=3)
-    cache.barrier = _passed
+    cache.resume(_passed)
     for i in range(10):
         _put(cache, bytes([i]), i, f"g{i}")
     assert len(cache) == 3 and bytes([9]) in cache._entries and bytes([0]) not in cache._entries

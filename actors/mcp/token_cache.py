@@ -88,6 +88,12 @@ class TokenCache(Generic[T]):
 
     # -- the listener's side --
 
+    def resume(self, barrier: Callable[[], Awaitable[bool]]) -> None:
+        """A new LISTEN is up: answer through ``barrier`` from now on. Reads begun before are not
+        kept (they may have missed a change committed before the LISTEN started)."""
+        self._generation += 1
+        self.barrier = barrier
+
     def suspend(self) -> None:
         """The LISTEN is down: forget everything and answer nothing until a barrier is set again."""
         self.barrier = None
@@ -269,7 +275,7 @@ class TokenCacheListener:
                 self.cache.suspend()  # nothing kept before this LISTEN was told of later changes
                 await conn.add_listener(CHANNEL, self._on_notify)
                 self._conn = conn
-                self.cache.barrier = self.barrier
+                self.cache.resume(self.barrier)
                 async with self._established:
                     self.sessions += 1
                     self._established.notify_all()
