@@ -25,12 +25,16 @@ HTTP transport, one per agent, each with its own HTTP connection and its bearer 
 ``--mode`` (``auto``, the default, negotiates 2026-07-28, stateless; ``legacy`` is the 2025-11-25
 initialize handshake and session). ``jsonrpc``: one ``httpx2`` client per agent posting the same
 2026-07-28 JSON-RPC ``tools/call`` requests the SDK client sends, without the SDK. The SDK client
-re-validates every structured result against the tool's output schema with ``jsonschema`` (about half
-of its CPU for a 50-message ``get_messages``), so on a small machine ``sdk`` measures this process more
-than the server; ``jsonrpc`` measures the server. The HTTP API's clients are one aiohttp session.
+re-validates every structured result against the tool's output schema with ``jsonschema``: for a
+50-message ``get_messages`` result that is about 9 ms of CPU on its own (some 700 subschema descents;
+timed outside the bench on a 2-CPU machine), about three quarters of this process's samples under
+py-spy, and it keeps this process at one full CPU, so with ``sdk`` the ``get_messages`` rate is that of
+the client (some 50-100 calls/s there), whatever the server does; ``jsonrpc`` measures the server.
+The HTTP API's clients are one aiohttp session.
 
 Then token verification in isolation: the MCP front's verifier (``ProviderTokenVerifier`` over
-:class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request) is called in
+:class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request; built here
+without the front's token cache, so this is the database read a first call or a miss costs) is called in
 this process for the agents' real tokens, ``--verifications`` times one at a time, against the node's
 database through a pool of the node's size; the no-auth baseline is the bare database round trip
 (``select 1``) on the same pool, measured the same way and interleaved with it. Prints p50/p99 of

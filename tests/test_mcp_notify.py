@@ -31,15 +31,24 @@ import orjson
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.server.mcpserver import MCPServer
+from mcp.server.subscriptions import InMemorySubscriptionBus
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
+from mcp.shared.subscriptions import ResourceUpdated
 from mcp_types import ResourceUpdatedNotification, TextResourceContents
 
-from actors.mcp.notify import DEFAULT_MIN_INTERVAL
+from actors.mcp.app import ToolDeps, build_app
+from actors.mcp.app import register_tools as register_minimal_tools
+from actors.mcp.front import make_server
+from actors.mcp.grants import current_grant
+from actors.mcp.notify import DEFAULT_MIN_INTERVAL, LegacySubscriptions, ScopedListen, register_subscriptions
+from infra.config import Settings
+from infra.db.pool import Database
 from tests import procs
 from tests.corpus_fixtures import Agent
 from tests.deployment import WAIT, Deployment, deployment
 from tests.sse import frames
-from tests.test_mcp_oauth import _tokens, sdk_oauth_client
+from tests.test_mcp_oauth import _INIT, _MCP_HEADERS, _free_port, _tokens, sdk_oauth_client
 from tests.test_mcp_process import _up_urls
 from tests.test_scale_out import logged, rabbitmqctl, until
 
@@ -163,8 +172,8 @@ async def _notified_by_writes(inbox: Inbox, write: Callable[[], Awaitable[int]],
     """Write until ``inbox`` has a corpus notification after it.
 
     A 2025-11-25 client gets notifications on its session's GET stream, which the SDK's client
-    opens in the background after the handshake; one sent before the stream is open is dropped by
-    the transport (a hint may be), so the first write may go unannounced to it."""
+    opens in the background after the handshake; one announced before that stream opens is held
+    and sent when it opens (see the in-process test below). Writing more than once stays harmless."""
     for attempt in range(tries):
         before = len(inbox.uris)
         await write()
@@ -402,3 +411,62 @@ async def test_a_token_without_the_read_scope_can_neither_listen_nor_subscribe(t
     finally:
         code = await node.stop()
     assert code == 0, "\n".join(node.output)
+
+
+# --- 2025-11-25: a notification while the session has no GET stream (in-process, both databases) ----
+
+async def test_a_notification_before_the_get_stream_opens_is_sent_when_it_opens(db: Database) -> None:
+    """A 2025-11-25 session subscribes over POST and is notified before it opens its GET stream
+    (the SDK's client opens it in the background after the handshake, and again after a cut): the
+    notification is held (at most one per resource) and sent as soon as the stream opens, instead
+    of being dropped by the transport."""
+    bus = InMemorySubscriptionBus()
+    legacy = LegacySubscriptions(bus, current_grant)
+
+    def register(server: MCPServer, deps: ToolDeps) -> None:
+        register_minimal_tools(server, deps)
+        register_subscriptions(server, ScopedListen(bus, current_grant), legacy)
+
+    port = _free_port()
+    settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
+    app = build_app(settings, db, tools=register, subscriptions=bus, stream_opened=legacy.stream_opened)
+    server = make_server(app, host="127.0.0.1", port=port)
+    legacy.start()
+    task = asyncio.create_task(server.serve())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            assert not task.done(), "uvicorn stopped while starting"
+            await asyncio.sleep(0.02)  # uvicorn reports readiness only through this flag
+        async with httpx.AsyncClient(timeout=30) as http:
+            _, tokens = await _tokens(http, base)
+            auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+            r = await http.post(base + "/mcp", json=_INIT, headers=auth)
+            assert r.status_code == 200, r.text
+            session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+            r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                                headers=session)
+            assert r.status_code == 202, r.text
+            r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
+                                                     "params": {"uri": CORPUS}}, headers=session)
+            assert r.status_code == 200 and "error" not in r.json(), r.text
+
+            await bus.publish(ResourceUpdated(uri=CORPUS))
+            assert legacy._sessions[session["Mcp-Session-Id"]].pending == {CORPUS}  # held, not sent
+
+            stream = {**session, "Accept": "text/event-stream"}
+            async with http.stream("GET", base + "/mcp", headers=stream) as events:
+                assert events.status_code == 200
+                async with asyncio.timeout(NOTIFIED_WITHIN):
+                    async for line in events.aiter_lines():
+                        if line.startswith("data:"):
+                            message = orjson.loads(line[5:])
+                            break
+            assert message["method"] == "notifications/resources/updated"
+            assert message["params"]["uri"] == CORPUS
+            assert legacy._sessions[session["Mcp-Session-Id"]].pending == set()
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(20):
+            await task
+        await legacy.close()

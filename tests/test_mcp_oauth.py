@@ -15,6 +15,7 @@ import secrets
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -47,19 +48,21 @@ def _free_port() -> int:
 class Front:
     base: str
     db: Database
+    app: Any = None
 
 
 @contextlib.asynccontextmanager
-async def serve(db: Database, port: int, **settings_kw: int) -> AsyncIterator[Front]:
+async def serve(db: Database, port: int, **settings_kw: Any) -> AsyncIterator[Front]:
     settings = Settings(mcp_host="127.0.0.1", mcp_port=port, **settings_kw)  # type: ignore[arg-type]
-    server = make_server(build_app(settings, db), host="127.0.0.1", port=port)
+    app = build_app(settings, db)
+    server = make_server(app, host="127.0.0.1", port=port)
     task = asyncio.create_task(server.serve())
     async with asyncio.timeout(20):
         while not server.started:
             assert not task.done(), "uvicorn stopped while starting"
             await asyncio.sleep(0.02)
     try:
-        yield Front(base=f"http://127.0.0.1:{port}", db=db)
+        yield Front(base=f"http://127.0.0.1:{port}", db=db, app=app)
     finally:
         server.should_exit = True
         async with asyncio.timeout(20):

@@ -58,13 +58,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from actors.mcp import wire
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SetHeaders
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
-from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore
+from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore, StoredAccessToken
 from actors.mcp.server import ToastMachineServer
+from actors.mcp.token_cache import TokenCache, following
 from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
@@ -120,12 +122,19 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
 
 
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools,
-              subscriptions: SubscriptionBus | None = None) -> ASGIApp:
+              subscriptions: SubscriptionBus | None = None,
+              stream_opened: Callable[[str], None] | None = None) -> ASGIApp:
     """The MCP front's ASGI app on ``db`` (migrated), with the tools ``tools`` registers and
-    ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None)."""
+    ``subscriptions`` as the server's subscription bus (an in-process one, fed by nothing, if None);
+    ``stream_opened(session_id)`` is called when a 2025-11-25 session's GET stream opens."""
+    # 2026-07-28 replies encoded once, by orjson (actors/mcp/wire.py wraps an SDK internal).
+    wire.install()
     issuer = settings.mcp_base_url
     documents = DocumentFetcher(allow_private=settings.mcp_cimd_allow_private, ca_file=settings.mcp_cimd_ca_file)
-    store = OAuthStore(db, issuer, documents)
+    # Verified tokens kept for seconds, forgotten on every node at once on any change (LISTEN in the
+    # lifespan below; bypassed whenever that LISTEN is not known to be up).
+    tokens: TokenCache[StoredAccessToken] = TokenCache()
+    store = OAuthStore(db, issuer, documents, tokens)
     # serverInfo names the release (clients show it; the 2026-07-28 `_meta` stamp counts on a version).
     server: MCPServer = ToastMachineServer(name="toastmachine", title="ToastMachine",
                                            version=importlib.metadata.version("toastmachine"),
@@ -144,7 +153,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
                                BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
                                resource_metadata=f"{issuer}/.well-known/oauth-protected-resource/mcp",
-                               scopes=tool_scopes, all_scopes=" ".join(SCOPES))
+                               scopes=tool_scopes, all_scopes=" ".join(SCOPES), stream_opened=stream_opened)
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
     # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
@@ -187,11 +196,13 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        async with server.session_manager.run():
+        async with server.session_manager.run(), following(db, tokens) as listener:
+            rest.state.token_listener = listener
             yield
 
     rest = Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(SetHeaders, headers=(SERVER_HEADER,))])
+    rest.state.token_cache = tokens
     return _Front(mcp_endpoint, rest)
 
 

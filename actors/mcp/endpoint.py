@@ -12,15 +12,18 @@ used to be five nested middlewares and a second Starlette app:
 3. the scope gate: a ``tools/call`` for a tool whose declared scope the token lacks gets 403
    ``insufficient_scope`` (naming the scope), the tool never runs;
 4. ``Server: ToastMachine`` and ``Cache-Control: no-store`` on every answer;
-5. the SDK's session manager (``handle_request``, its public entry: body limit, DNS-rebinding
+5. a 2025-11-25 session's GET stream answered: ``stream_opened(session_id)`` (so that notifications
+   held while the session had no stream are sent now: :class:`actors.mcp.notify.LegacySubscriptions`);
+6. the SDK's session manager (``handle_request``, its public entry: body limit, DNS-rebinding
    checks, both protocol revisions).
 
-Token verification is one database round trip per request on purpose: no cache, so a revoked grant
-stops working at once on every MCP process.
+Token verification may be answered from the process's token cache (:mod:`actors.mcp.token_cache`),
+but only behind a barrier that makes a revoked grant stop working at once on every MCP process.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 
 import orjson
@@ -79,12 +82,14 @@ class McpEndpoint:
     """
 
     def __init__(self, handler: ASGIApp, backend: BearerAuthBackend, *, resource_metadata: str,
-                 scopes: Callable[[], Mapping[str, str]], all_scopes: str) -> None:
+                 scopes: Callable[[], Mapping[str, str]], all_scopes: str,
+                 stream_opened: Callable[[str], None] | None = None) -> None:
         self.handler = handler
         self.backend = backend
         self.resource_metadata = resource_metadata
         self.scopes = scopes
         self.all_scopes = all_scopes
+        self.stream_opened = stream_opened
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = setting_headers(send, _MCP_HEADERS)
@@ -103,6 +108,10 @@ class McpEndpoint:
                 await self._refuse(sending, 403, "insufficient_scope", f"Required scope: {missing}", missing)
                 return
             receive = _replay(body, more, receive)
+        elif scope["method"] == "GET" and self.stream_opened is not None:
+            session_id = HTTPConnection(scope).headers.get("mcp-session-id")
+            if session_id:
+                sending = _on_event_stream(sending, session_id, self.stream_opened)
 
         context = auth_context_var.set(user)
         try:
@@ -135,6 +144,20 @@ class McpEndpoint:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", header.encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _on_event_stream(send: Send, session_id: str, opened: Callable[[str], None]) -> Send:
+    """``send`` that, once it sent a 200 event-stream head, calls ``opened(session_id)`` on the next
+    loop turn (the SDK registers the stream in a task that runs by then)."""
+
+    async def sending(message: Message) -> None:
+        await send(message)
+        if message["type"] == "http.response.start" and message.get("status") == 200 and any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message.get("headers", ())):
+            asyncio.get_running_loop().call_soon(opened, session_id)
+
+    return sending
 
 
 async def _read_body(receive: Receive) -> tuple[bytes, bool]:

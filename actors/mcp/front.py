@@ -115,7 +115,8 @@ class McpFront(Actor):
             register_subscriptions(server, self._listen, self._legacy)
             self._mcp = server
 
-        app = build_app(settings, node.db, tools=register, subscriptions=bus)
+        app = build_app(settings, node.db, tools=register, subscriptions=bus,
+                        stream_opened=self._legacy.stream_opened)
         # Following before serving: a client that subscribes as soon as it can is told of what follows.
         await self._notifier.start()
         self._legacy.start()

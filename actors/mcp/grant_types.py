@@ -24,6 +24,9 @@ class Grant:
     agent_name: str
     client_id: str
     scopes: frozenset[str]
+    #: Whether the agent had read the guide when the token was verified. Onboarding only ever goes
+    #: from false to true, so True stays true; False must be checked again before a write.
+    onboarded: bool = False
 
     def allows(self, scope: str) -> bool:
         """Whether this grant carries ``scope``."""

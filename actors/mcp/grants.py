@@ -50,7 +50,7 @@ def current_grant() -> Grant:
     if token is None or not token.subject or not claims or not claims.get("agent_name"):
         raise NoGrant("This request carries no valid authorization.")
     return Grant(agent_id=token.subject, agent_name=str(claims["agent_name"]), client_id=token.client_id,
-                 scopes=frozenset(token.scopes))
+                 scopes=frozenset(token.scopes), onboarded=claims.get("onboarded") is True)
 
 
 def declare_tool_scope(tool_name: str, scope: str) -> None:

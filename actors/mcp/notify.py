@@ -36,6 +36,7 @@ from typing import Any
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.server.session import ServerSession
+from mcp.server.streamable_http import GET_STREAM_KEY
 from mcp.server.subscriptions import ListenHandler, SubscriptionBus
 from mcp.shared.exceptions import MCPError
 from mcp.shared.subscriptions import ResourceUpdated, ServerEvent
@@ -66,6 +67,8 @@ DEFAULT_GUIDE_POLL = 30.0
 MAX_SUBSCRIBERS = 1024
 #: Events a listen stream may have waiting (at most one per resource per interval arrives).
 LISTEN_BACKLOG = 32
+#: Loop turns :meth:`LegacySubscriptions.stream_opened` waits for the SDK to register a new stream.
+STREAM_OPEN_TRIES = 16
 #: Changes taken from the hub subscription at once (only "was there one" matters).
 _TAKE = 1000
 
@@ -173,8 +176,11 @@ class LegacySubscriptions:
     """``resources/subscribe`` / ``resources/unsubscribe`` for 2025-11-25 sessions, fed by ``bus``.
 
     A session is known by its ``Mcp-Session-Id``; its notifications go to its standalone stream
-    (the GET stream the client keeps open; without one the transport drops them, which a hint
-    allows). A session that ended (the client's DELETE, the idle timeout) is forgotten at the next
+    (the GET stream the client keeps open). The transport would drop a notification sent while that
+    stream is not open (the client opens it after the handshake, in the background, and again after
+    a cut), so none is sent then: it stays pending (at most one per resource, so the buffer is
+    bounded) and is sent when the stream opens (:meth:`stream_opened`, called by the ``/mcp``
+    endpoint once the SDK answered the GET). A session that ended (the client's DELETE, the idle timeout) is forgotten at the next
     event, or when a new session needs its place: sends to an ended session are dropped without an
     error, so :attr:`alive` (set by :func:`register_subscriptions`) is asked.
 
@@ -192,6 +198,8 @@ class LegacySubscriptions:
         self._unsubscribe: Callable[[], None] | None = None
         #: Whether the session with this id still exists.
         self.alive: Callable[[str], bool] = lambda _session_id: True
+        #: Whether the session with this id has its standalone (GET) stream open now.
+        self.stream_open: Callable[[str], bool] = lambda _session_id: True
 
     @property
     def sessions(self) -> int:
@@ -252,20 +260,36 @@ class LegacySubscriptions:
             raise MCPError(INVALID_REQUEST, "resources/subscribe needs a session (the initialize handshake).")
         return str(key)
 
+    def stream_opened(self, session_id: str, *, tries: int = STREAM_OPEN_TRIES) -> None:
+        """Session ``session_id`` answered a GET with its stream: send what is pending for it.
+
+        Called right after the SDK sent the GET's response head; the SDK registers the stream in a
+        task it started just before, so it is normally there by the next loop turn (looked at for
+        up to ``tries`` turns; a stream that failed to open keeps its notifications pending)."""
+        entry = self._sessions.get(session_id)
+        if entry is None or not entry.pending or entry.sender is not None:
+            return
+        if self.stream_open(session_id):
+            entry.sender = asyncio.create_task(self._deliver(session_id, entry), name="mcp-notify-session")
+        elif tries > 1:
+            asyncio.get_running_loop().call_soon(lambda: self.stream_opened(session_id, tries=tries - 1))
+
     def _on_event(self, event: ServerEvent) -> None:
-        # The bus calls this synchronously on the event loop: mark, and start a sender where none runs.
+        # The bus calls this synchronously on the event loop: mark, and start a sender where none
+        # runs and the session's stream is open (otherwise it is sent when the stream opens).
         if not isinstance(event, ResourceUpdated):
             return
         self._prune()
         for key, entry in self._sessions.items():
             if event.uri in entry.uris:
                 entry.pending.add(event.uri)
-                if entry.sender is None:
+                if entry.sender is None and self.stream_open(key):
                     entry.sender = asyncio.create_task(self._deliver(key, entry), name="mcp-notify-session")
 
     async def _deliver(self, key: str, entry: _Session) -> None:
         try:
-            while entry.pending:
+            # A stream that closed meanwhile keeps the rest pending until it opens again.
+            while entry.pending and self.stream_open(key):
                 uri = min(entry.pending)
                 entry.pending.discard(uri)
                 await entry.session.send_resource_updated(uri)
@@ -325,7 +349,14 @@ def register_subscriptions(server: MCPServer, listen: ScopedListen, legacy: Lega
         # (a send to an ended session is dropped silently).
         return session_id in server.session_manager._server_instances
 
+    def stream_open(session_id: str) -> bool:
+        # The transport keeps its open standalone stream under GET_STREAM_KEY; the SDK has no public
+        # way to ask (it drops a message for a missing stream without telling the sender).
+        transport = server.session_manager._server_instances.get(session_id)
+        return transport is not None and GET_STREAM_KEY in transport._request_streams
+
     legacy.alive = alive
+    legacy.stream_open = stream_open
     lowlevel.add_request_handler("subscriptions/listen", SubscriptionsListenRequestParams, listen)
     lowlevel.add_request_handler("resources/subscribe", SubscribeRequestParams, legacy.subscribe)
     lowlevel.add_request_handler("resources/unsubscribe", UnsubscribeRequestParams, legacy.unsubscribe)

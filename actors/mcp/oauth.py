@@ -36,6 +36,7 @@ import base64
 import hashlib
 import hmac
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from ipaddress import ip_address
@@ -63,6 +64,7 @@ from actors.mcp.client_documents import (
     check_document_url,
     is_document_client_id,
 )
+from actors.mcp.token_cache import TokenCache
 from infra.db.pool import Database
 from infra.logs import get_logger
 
@@ -250,7 +252,7 @@ class StoredRefreshToken(RefreshToken):
 
 
 class StoredAccessToken(AccessToken):
-    """A valid access token: ``subject`` is the agent id, ``claims`` carry ``agent_name`` and ``grant_id``."""
+    """A valid access token: ``subject`` is the agent id, ``claims`` carry ``agent_name``, ``grant_id`` and ``onboarded``."""
 
     grant_id: str
 
@@ -271,8 +273,11 @@ class PendingRequest:
 class OAuthStore:
     """Our ``OAuthAuthorizationServerProvider``: policy and PostgreSQL storage (see the module doc)."""
 
-    def __init__(self, db: Database, issuer: str, documents: DocumentFetcher | None = None) -> None:
+    def __init__(self, db: Database, issuer: str, documents: DocumentFetcher | None = None,
+                 tokens: TokenCache[StoredAccessToken] | None = None) -> None:
         self.db = db
+        #: Verified access tokens kept in memory (:mod:`actors.mcp.token_cache`); None: none kept.
+        self.tokens = tokens
         #: Fetches client ID metadata documents; None refuses every URL client id.
         self.documents = documents
         self.issuer = issuer.rstrip("/")
@@ -583,13 +588,21 @@ class OAuthStore:
     async def load_access_token(self, token: str) -> StoredAccessToken | None:
         if not token or len(token) > 512:
             return None
+        key = digest(token)
+        cache = self.tokens
+        if cache is not None and (kept := await cache.lookup(key)) is not None:
+            return kept
+        generation = cache.generation() if cache is not None else 0
+        sent = time.monotonic()
         row = await self.db.pool.fetchrow(
             "select t.grant_id, t.scopes, extract(epoch from t.expires_at)::float8 as expires_at,"
-            " g.client_id, g.resource, g.agent_id, a.name as agent_name, g.scopes as grant_scopes"
+            " extract(epoch from t.expires_at - now())::float8 as remaining,"
+            " g.client_id, g.resource, g.agent_id, a.name as agent_name, g.scopes as grant_scopes,"
+            " a.onboarded_at is not null as onboarded"
             " from oauth_tokens t join oauth_grants g using (grant_id) join oauth_clients c using (client_id)"
             " join agents a on a.agent_id = g.agent_id"
             " where t.token_hash = $1 and t.kind = 'access' and t.expires_at > now()"
-            " and t.revoked_at is null and g.revoked_at is null", digest(token))
+            " and t.revoked_at is null and g.revoked_at is null", key)
         if row is None:
             return None
         scopes = list(row["scopes"] or [])
@@ -598,12 +611,17 @@ class OAuthStore:
                 or row["resource"] != self.resource):
             log.warning("oauth.token_record_invalid", grant_id=str(row["grant_id"]))
             return None
-        return StoredAccessToken(token=token, client_id=row["client_id"], scopes=scopes,
-                                 expires_at=int(row["expires_at"]), resource=row["resource"],
-                                 subject=str(row["agent_id"]),
-                                 claims={"iss": self.issuer, "agent_name": row["agent_name"],
-                                         "grant_id": str(row["grant_id"])},
-                                 grant_id=str(row["grant_id"]))
+        stored = StoredAccessToken(token=token, client_id=row["client_id"], scopes=scopes,
+                                   expires_at=int(row["expires_at"]), resource=row["resource"],
+                                   subject=str(row["agent_id"]),
+                                   claims={"iss": self.issuer, "agent_name": row["agent_name"],
+                                           "grant_id": str(row["grant_id"]), "onboarded": bool(row["onboarded"])},
+                                   grant_id=str(row["grant_id"]))
+        if cache is not None:
+            # Until the database's own expiry at the latest, counted from before the query was sent.
+            cache.put(key, stored, grant_id=stored.grant_id, generation=generation, sent=sent,
+                      remaining=float(row["remaining"]))
+        return stored
 
     # -- revocation --
 

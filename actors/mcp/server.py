@@ -9,6 +9,12 @@ argument (a name from the tool's own schema), never the value sent. An argument 
 take is refused too (the SDK would ignore it), quoting its name as the HTTP API quotes an unknown
 parameter (bounded, :func:`protocol.errors.quote`).
 
+It answers the low-level server's ``get_tool_input_schema`` hook (the schema ``Mcp-Param-*``
+headers are checked against, before the call is dispatched) with None for a tool whose input
+schema declares no ``x-mcp-header``: against such a schema the SDK's check can find nothing, and
+getting there walked the whole schema twice on every call (about 4% of the front's CPU per
+``get_messages``, bench/mcp.py). A tool that declares one gets its schema, and the SDK's check.
+
 It also leaves out the SDK's OpenTelemetry middleware (the SDK's documented opt-out: drop it from
 the middleware list): ToastMachine installs no tracer, and the span it opens and closes on every
 message anyway was a measurable share of a call's CPU (bench/mcp.py).
@@ -20,6 +26,7 @@ from typing import Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.shared.inbound import X_MCP_HEADER_KEY
 from mcp_types import CallToolResult, InputRequiredResult
 from pydantic import ValidationError
 
@@ -29,12 +36,34 @@ from actors.mcp import results
 _SDK_TRACING_MIDDLEWARE = "OpenTelemetryMiddleware"
 
 
+def declares_header(schema: Any) -> bool:
+    """Whether ``x-mcp-header`` is a key anywhere in ``schema`` (a superset of where the SDK looks)."""
+    if isinstance(schema, dict):
+        return X_MCP_HEADER_KEY in schema or any(declares_header(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(declares_header(v) for v in schema)
+    return False
+
+
 class ToastMachineServer(MCPServer):
     """``MCPServer`` whose argument-validation failures and unknown tools are envelope results."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: Tool name -> (its input schema, whether that schema declares an x-mcp-header anywhere).
+        self._declares_headers: dict[str, tuple[dict[str, Any], bool]] = {}
         super().__init__(*args, **kwargs)
         self.middleware[:] = [m for m in self.middleware if type(m).__name__ != _SDK_TRACING_MIDDLEWARE]
+
+    def _tool_input_schema(self, name: str) -> dict[str, Any] | None:
+        # MCPServer hands this method to the low-level server as its get_tool_input_schema hook.
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
+            return None
+        schema = tool.parameters
+        known = self._declares_headers.get(name)
+        if known is None or known[0] is not schema:
+            known = self._declares_headers[name] = (schema, declares_header(schema))
+        return schema if known[1] else None
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None,
                         ) -> CallToolResult | InputRequiredResult:

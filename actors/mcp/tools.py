@@ -221,6 +221,11 @@ class _Tools:
         return str(identity.corpus_id), str(identity.lineage)
 
     async def author(self, grant: Grant) -> _Author:
+        """The writing agent. The token's verification read the agent (its name never changes): when it
+        was onboarded then, it still is (onboarding never goes back), and no second look-up is needed.
+        Otherwise the agent is read again, since it may have read the guide since."""
+        if grant.onboarded:
+            return _Author(grant.agent_id, grant.agent_name, True)
         row = await self.pool.fetchrow(
             "select name, onboarded_at is not null as onboarded from agents where agent_id = $1",
             uuid.UUID(grant.agent_id))

@@ -64,10 +64,12 @@ class Database:
     the node; nothing connects at import time.
     """
 
-    def __init__(self, pool: asyncpg.Pool, *, label: str) -> None:
-        """Wrap an already created pool; ``label`` is the redacted DSN used in messages."""
+    def __init__(self, pool: asyncpg.Pool, *, label: str, dsn: str | None = None) -> None:
+        """Wrap an already created pool; ``label`` is the redacted DSN used in messages; ``dsn`` (if
+        known) lets :meth:`connect_session` open connections of its own."""
         self._pool = pool
         self._label = label
+        self._dsn = dsn
         self._closed = False
         self._close_lock = asyncio.Lock()
 
@@ -129,7 +131,7 @@ class Database:
                 pool.terminate()
             raise
         log.info("db.connected", database=label, min_size=min_size, max_size=max_size)
-        return cls(pool, label=label)
+        return cls(pool, label=label, dsn=dsn)
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -145,6 +147,19 @@ class Database:
     def closed(self) -> bool:
         """True once :meth:`close` has been called."""
         return self._closed
+
+    async def connect_session(self, application_name: str, *, timeout: float = 10.0) -> asyncpg.Connection:
+        """A connection of its own to the pool's server (not from the pool, so it may LISTEN for as
+        long as it likes without taking a slot from queries); the caller closes it.
+
+        Raises DatabaseUnavailable when it cannot be opened (or the DSN is unknown)."""
+        if self._dsn is None or self._closed:
+            raise DatabaseUnavailable(f"no dedicated connection to {self._label}")
+        try:
+            return await asyncpg.connect(self._dsn, timeout=timeout,
+                                         server_settings={"application_name": application_name})
+        except _CONNECT_ERRORS as e:
+            raise DatabaseUnavailable(f"PostgreSQL at {self._label} is unavailable: {_reason(e, self._dsn)}") from None
 
     def acquire(self, *, timeout: float | None = None) -> asyncpg.pool.PoolAcquireContext:
         """``async with db.acquire() as conn:`` borrows one connection from the pool."""
