@@ -127,7 +127,7 @@ async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: st
                              expected_previous_hash=previous, expected_lineage=lineage,
                              expected_index=entry.index, expected_stream=Stream.PUBLIC)
         previous = seg.hash
-        tree.extend(seg.leaf_hashes)
+        tree.extend(seg.tree or seg.leaf_hashes)
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, tree.size)),
                                    parse_verifier_key(verifier_text))
     assert checkpoint.root == tree.root(), "the recomputed root differs from the checkpoint's"
