@@ -37,7 +37,14 @@ import orjson
 
 from protocol.corpus import canonical_json
 from protocol.errors import ToastMachineError
-from protocol.merkle import LEAF_PREFIX, Subtree, leaf_hash, subtree
+from protocol.merkle import LEAF_PREFIX, Subtree, hash_leaves, leaf_hash, subtree
+
+try:
+    # The frames loops in C (protocol/_hashes.c, built by setup.py); without it, the pure-Python
+    # lines below do the same work.
+    from protocol import _hashes as _native
+except ImportError:  # pragma: no cover - exercised only where the extension is not built
+    _native = None  # type: ignore[assignment]  # (the module or nothing)
 
 #: First 8 bytes of every segment. CR LF and 0x1A catch a file mangled by text-mode transfers.
 MAGIC = b"TMSEG\r\n\x1a"
@@ -285,16 +292,18 @@ def encode_body_tree(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple
     lengths = list(map(len, bodies))
     if max(lengths) > MAX_EVENT_BYTES:
         raise ValueError(f"an event is larger than {MAX_EVENT_BYTES} bytes")
-    # Whole-list steps (map over C callables) rather than a loop of statements: this runs once per
-    # archived event, and the interpreter's per-statement cost is most of it.
-    frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
-    parts: list[bytes] = [b""] * (2 * count + 1)
-    parts[0:-1:2] = frames
-    parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
-    sha256, prefix = hashlib.sha256, LEAF_PREFIX
-    tree = subtree([sha256(prefix + body).digest() for body in bodies])
-    parts[-1] = tree.root
-    data = b"".join(parts)
+    tree = subtree(hash_leaves(bodies))
+    if _native is not None:
+        data = b"".join((_native.encode_frames(sequences, bodies), tree.root))
+    else:
+        # Whole-list steps (map over C callables) rather than a loop of statements: this runs once
+        # per archived event, and the interpreter's per-statement cost is most of it.
+        frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
+        parts: list[bytes] = [b""] * (2 * count + 1)
+        parts[0:-1:2] = frames
+        parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
+        parts[-1] = tree.root
+        data = b"".join(parts)
     if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
         raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
     return data, tree
@@ -438,9 +447,8 @@ def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> Decode
     # first fault (or, had the fast one doubted wrongly, does the whole work itself).
     fast = _frames_fast(data, frames_end, count, first, last, full)
     if fast is not None:
-        sequences, bodies = fast
+        sequences, bodies, leaves = fast
         events = tuple(map(ArchivedEvent, sequences, bodies)) if full else ()
-        leaves = [sha256(LEAF_PREFIX + body).digest() for body in bodies]
     else:
         events, leaves = _frames_exact(data, frames_end, count, first, last, full)
     merkle_root = data[frames_end:frames_end + HASH_SIZE]
@@ -455,10 +463,15 @@ def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> Decode
 
 
 def _frames_fast(data: bytes, frames_end: int, count: int, first: int, last: int,
-                 full: bool) -> tuple[list[int], list[bytes]] | None:
-    """Every frame's sequence and (``full``) event bytes when the frames are exactly ``count``
-    well-formed frames from ``first`` to ``last`` in strictly increasing order with good CRC32Cs;
-    None at the first doubt, without saying which (:func:`_frames_exact` does)."""
+                 full: bool) -> tuple[list[int], list[bytes], list[bytes]] | None:
+    """Every frame's sequence and (``full``) event bytes and leaf hashes when the frames are
+    exactly ``count`` well-formed frames from ``first`` to ``last`` in strictly increasing order
+    with good CRC32Cs; None at the first doubt, without saying which (:func:`_frames_exact` does)."""
+    if _native is not None:
+        scanned = _native.scan_frames(data, HEADER_SIZE, frames_end, count, MAX_EVENT_BYTES, full)
+        if scanned is None or scanned[0][0] != first or scanned[0][-1] != last:
+            return None
+        return scanned
     unpack_head, head_size = _FRAME_HEAD.unpack_from, _FRAME_HEAD.size
     starts: list[int] = []
     sequences: list[int] = []
@@ -485,7 +498,7 @@ def _frames_fast(data: bytes, frames_end: int, count: int, first: int, last: int
     if list(map(_CRC.unpack_from, itertools.repeat(data), crc_ats)) != list(zip(map(google_crc32c.value, frames))):
         return None
     bodies = list(map(data.__getitem__, map(slice, map(head_size.__add__, starts), crc_ats))) if full else []
-    return sequences, bodies
+    return sequences, bodies, hash_leaves(bodies)
 
 
 def _frames_exact(data: bytes, frames_end: int, count: int, first: int, last: int,

@@ -32,6 +32,15 @@ NODE_PREFIX = b"\x01"
 #: MTH of the empty tree: SHA-256 of the empty string (RFC 6962 §2.1).
 EMPTY_ROOT = hashlib.sha256(b"").digest()
 
+try:
+    # Built from protocol/_hashes.c by `pip install` (setup.py); where it could not be built, the
+    # pure-Python lines below compute the same hashes, several times more slowly.
+    from protocol import _hashes as _native
+except ImportError:  # pragma: no cover - exercised only where the extension is not built
+    _native = None  # type: ignore[assignment]  # (the module or nothing)
+#: True when the batched hashes (and the segment frames loops) run in the C extension ``protocol._hashes``.
+NATIVE_HASHES = _native is not None
+
 
 class MerkleError(ToastMachineError):
     """A proof or tree state is malformed (wrong sizes, indexes out of range, bad hash lengths)."""
@@ -45,6 +54,24 @@ def leaf_hash(data: bytes) -> bytes:
 def node_hash(left: bytes, right: bytes) -> bytes:
     """Hash of an interior node: SHA-256(0x01 || left || right)."""
     return hashlib.sha256(NODE_PREFIX + left + right).digest()
+
+
+def hash_leaves(bodies: Sequence[bytes]) -> list[bytes]:
+    """``[leaf_hash(b) for b in bodies]``, in one call to the C extension when it is built (hashlib
+    costs more per digest than hashing a 1 KiB event does; see ``protocol/_hashes.c``)."""
+    if _native is not None:
+        return _native.leaf_hashes(bodies)
+    sha256 = hashlib.sha256
+    return [sha256(LEAF_PREFIX + body).digest() for body in bodies]
+
+
+def hash_pairs(level: Sequence[bytes]) -> list[bytes]:
+    """The interior nodes over neighbouring pairs of ``level`` (an unpaired last hash is left out):
+    ``node_hash(level[0], level[1])``, ``node_hash(level[2], level[3])``, ..."""
+    if _native is not None:
+        return _native.node_hashes(level)
+    sha256 = hashlib.sha256
+    return [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
 
 
 def split_point(n: int) -> int:
@@ -63,10 +90,9 @@ def tree_root(leaves: Sequence[bytes]) -> bytes:
     if not leaves:
         return EMPTY_ROOT
     level = list(leaves)
-    sha256 = hashlib.sha256
     while len(level) > 1:
         odd = level[-1] if len(level) & 1 else None
-        level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+        level = hash_pairs(level)
         if odd is not None:
             level.append(odd)
     return level[0]
@@ -112,7 +138,7 @@ def subtree(leaves: Sequence[bytes]) -> Subtree:
     sha256 = hashlib.sha256
     levels = [level]
     while len(level) > 1:
-        level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+        level = hash_pairs(level)
         levels.append(level)
     n = len(levels[0])
     # The perfect subtree of height h in the decomposition is the last of its level when bit h is set.
@@ -349,7 +375,6 @@ class CompactTree:
         # Frontier nodes by height: the set bits of the old size, smallest (rightmost) last.
         heights = [h for h in range(old.bit_length()) if old >> h & 1]
         kept: dict[int, bytes] = dict(zip(heights, reversed(frontier), strict=True))
-        sha256 = hashlib.sha256
         position, height = old, 0
         aligned = bool(levels)
         while level:
@@ -363,7 +388,7 @@ class CompactTree:
             if aligned and height + 1 < len(levels):
                 level = list(levels[height + 1])
             else:
-                level = [sha256(NODE_PREFIX + left + right).digest() for left, right in zip(level[::2], level[1::2])]
+                level = hash_pairs(level)
             position >>= 1
             height += 1
         # What remains: the old frontier above the heights reached, and the new lone nodes.
