@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from protocol import _hashes, merkle
 from protocol import archive as fmt
-from protocol.archive import GENESIS_HASH, ArchivedEvent, ArchiveFormatError, Stream, decode_segment, encode_segment
+from protocol.archive import (
+    GENESIS_HASH,
+    ArchivedEvent,
+    ArchiveFormatError,
+    Stream,
+    decode_segment,
+    encode_segment,
+)
 from protocol.merkle import CompactTree, leaf_hash, node_hash, subtree, tree_root
 
 LINEAGE = uuid.UUID("3f1e2d4c-5b6a-4978-8899-aabbccddeeff")
