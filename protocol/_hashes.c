@@ -3,8 +3,7 @@
  * Why this exists: hashlib's cost per digest (a new OpenSSL context, two Python objects, a copy to
  * prepend the domain byte) is several times the cost of hashing a 65-byte node or a 1 KiB event,
  * and the archiver and every verifier make two or three such digests per archived event. Here one
- * call hashes a whole list, and the hashing runs without the GIL (the inputs are
- * immutable bytes objects we hold references to).
+ * call hashes a whole list (and large lists are hashed without the GIL: see RELEASE_GIL_ABOVE).
  *
  * Both functions compute exactly what protocol/merkle.py's pure-Python fallbacks compute (the tests
  * compare them on random inputs): leaf_hashes(b) == [sha256(b"\x00" + x).digest() for x in b],
@@ -21,6 +20,20 @@
 #include <string.h>
 
 #define HASH_SIZE 32
+
+/* The GIL is released only around work on at least this many input bytes (a few milliseconds of
+ * hashing). Taking it back after a release waits for the thread holding it to let go, up to the
+ * interpreter's switch interval (5 ms): measured in the archiver, whose encoding thread runs beside
+ * the event loop, releasing it around each segment's ~1 ms of hashing made encoding twice as slow. */
+#define RELEASE_GIL_ABOVE (4 << 20)
+#define BEGIN_MAYBE_UNLOCKED(bytes) \
+    { \
+        PyThreadState *saved_thread = (bytes) >= RELEASE_GIL_ABOVE ? PyEval_SaveThread() : NULL;
+#define END_MAYBE_UNLOCKED \
+    if (saved_thread != NULL) { \
+        PyEval_RestoreThread(saved_thread); \
+    } \
+    }
 
 /* Strong references to the items of `seq` (a list or tuple of bytes), with their buffers. */
 typedef struct {
@@ -102,7 +115,7 @@ static PyObject *digest_list(const unsigned char *digests, Py_ssize_t count) {
     return out;
 }
 
-/* SHA-256(prefix || a || b) of each job into out; 0 on success. Runs without the GIL. */
+/* SHA-256(prefix || a || b) of each job into out; 0 on success. Touches no Python object (may run without the GIL). */
 static int hash_all(unsigned char prefix, Py_ssize_t jobs, const char **a, const Py_ssize_t *a_size,
                     const char **b, unsigned char *out) {
     SHA256_CTX ctx;
@@ -128,10 +141,14 @@ static PyObject *leaf_hashes(PyObject *Py_UNUSED(module), PyObject *bodies) {
         inputs_free(&in);
         return PyErr_NoMemory();
     }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < in.count; i++) {
+        total += in.sizes[i];
+    }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE_UNLOCKED(total)
     rc = hash_all(0x00, in.count, in.data, in.sizes, NULL, digests);
-    Py_END_ALLOW_THREADS
+    END_MAYBE_UNLOCKED
     PyObject *out = rc == 0 ? digest_list(digests, in.count) : PyErr_Format(PyExc_RuntimeError, "SHA-256 failed");
     PyMem_Free(digests);
     inputs_free(&in);
@@ -167,9 +184,9 @@ static PyObject *node_hashes(PyObject *Py_UNUSED(module), PyObject *level) {
         sizes[i] = HASH_SIZE;
     }
     int rc;
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE_UNLOCKED(pairs * 2 * HASH_SIZE)
     rc = hash_all(0x01, pairs, left, sizes, right, digests);
-    Py_END_ALLOW_THREADS
+    END_MAYBE_UNLOCKED
     PyObject *out = rc == 0 ? digest_list(digests, pairs) : PyErr_Format(PyExc_RuntimeError, "SHA-256 failed");
     PyMem_Free(digests);
     PyMem_Free(left);
@@ -293,7 +310,7 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         goto done;
     }
     unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE_UNLOCKED(total)
     for (Py_ssize_t i = 0; i < in.count; i++) {
         unsigned char *frame = w;
         put_be32(w, (uint32_t)in.sizes[i]);
@@ -304,7 +321,7 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         put_be32(w, crc32c(0, frame, (size_t)(w - frame)));
         w += 4;
     }
-    Py_END_ALLOW_THREADS
+    END_MAYBE_UNLOCKED
 done:
     PyMem_Free(numbers);
     Py_DECREF(seqs);
@@ -356,7 +373,7 @@ static PyObject *scan_frames(PyObject *Py_UNUSED(module), PyObject *const *args,
     }
     const unsigned char *data = view.buf;
     int sound = 1;
-    Py_BEGIN_ALLOW_THREADS
+    BEGIN_MAYBE_UNLOCKED(end - start)
     Py_ssize_t pos = start;
     for (Py_ssize_t i = 0; i < count && sound; i++) {
         if (end - pos < 16) {
@@ -388,7 +405,7 @@ static PyObject *scan_frames(PyObject *Py_UNUSED(module), PyObject *const *args,
                     SHA256_Final(digests + i * HASH_SIZE, &ctx);
         }
     }
-    Py_END_ALLOW_THREADS
+    END_MAYBE_UNLOCKED
     if (!sound) {
         result = Py_NewRef(Py_None);
         goto done;
