@@ -249,6 +249,42 @@ def segment_size(bodies: Iterable[bytes]) -> int:
     return HEADER_SIZE + TRAILER_SIZE + sum(FRAME_OVERHEAD + len(b) for b in bodies)
 
 
+def seal_cuts(lengths: list[int], policy: SealPolicy) -> tuple[list[tuple[int, int, str]], int]:
+    """The segments the events and bytes rules cut from consecutive events of these byte lengths,
+    as ``(start, end, rule)`` index ranges, and where the uncut tail starts (``len(lengths)``: none).
+
+    A segment ends after ``policy.events`` events, or before the event that would take its encoded
+    size past ``policy.bytes`` (a segment holds at least one event, however large). A stretch of
+    ``policy.events`` events whose whole size fits is cut at once (sizes only grow as events are
+    added); only a stretch that does not fit is walked event by event, to find where it crosses.
+    """
+    cuts: list[tuple[int, int, str]] = []
+    empty, events, limit, n = HEADER_SIZE + TRAILER_SIZE, policy.events, policy.bytes, len(lengths)
+    start = 0
+    while start < n:
+        end = min(start + events, n)
+        if empty + FRAME_OVERHEAD * (end - start) + sum(lengths[start:end]) <= limit:
+            if end - start < events:
+                break  # the open tail
+            cuts.append((start, end, "events"))
+            start = end
+            continue
+        size = empty + FRAME_OVERHEAD + lengths[start]
+        for i in range(start + 1, end):
+            size += FRAME_OVERHEAD + lengths[i]
+            if size > limit:
+                cuts.append((start, i, "bytes"))
+                start = i
+                break
+        else:
+            # Only the first event is past the limit, and it is alone in this stretch.
+            if end - start < events:
+                break
+            cuts.append((start, end, "events"))
+            start = end
+    return cuts, start
+
+
 @dataclass(frozen=True, slots=True)
 class _Encoded:
     """A sealed segment's bytes, before they are put: the row as recorded, and the row it becomes."""
@@ -555,17 +591,7 @@ class Archiver(Actor):
             return []
         # Rows may follow the batch: its open tail could still fill up, so it is left for later.
         truncated = len(sequences) == limit or sum(map(len, bodies)) >= budget
-        cuts: list[tuple[int, int, str]] = []
-        start, size = 0, HEADER_SIZE + TRAILER_SIZE
-        for i, body in enumerate(bodies):
-            grown = size + FRAME_OVERHEAD + len(body)
-            if i > start and grown > policy.bytes:
-                cuts.append((start, i, "bytes"))
-                start, grown = i, HEADER_SIZE + TRAILER_SIZE + FRAME_OVERHEAD + len(body)
-            size = grown
-            if i + 1 - start == policy.events:
-                cuts.append((start, i + 1, "events"))
-                start, size = i + 1, HEADER_SIZE + TRAILER_SIZE
+        cuts, start = seal_cuts(list(map(len, bodies)), policy)
         if start < len(sequences) and not truncated:
             age = await conn.fetchval(_PUBLIC_AGE if stream is Stream.PUBLIC else _PRIVATE_AGE,
                                       sequences[start - 1] if start else after)
