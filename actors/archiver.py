@@ -92,12 +92,10 @@ from protocol.archive import (
     HEADER_SIZE,
     TRAILER_SIZE,
     ArchiveFormatError,
-    SegmentBody,
     Stream,
-    chain_segments,
     check_read_back,
     checkpoint_key,
-    encode_body_tree,
+    encode_chain,
     manifest_key,
     private_checkpoint_key,
     public_key_key,
@@ -675,21 +673,15 @@ class Archiver(Actor):
 
     def _encode_now(self, stream: Stream, index: int, previous_hash: bytes,
                     segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
-        pieces: list[SegmentBody] = []
-        rows: list[_Row] = []
-        frontiers: list[bytes] = []
-        for i, (sequences, bodies) in enumerate(segments):
-            body, nodes = encode_body_tree(sequences, bodies)
+        out: list[_Encoded] = []
+        for i, ((sequences, _bodies), (data, nodes)) in enumerate(
+                zip(segments, encode_chain(stream, self._lineage, index, previous_hash, segments))):
             tree.extend(nodes)  # reusing the subtree's nodes where the tree so far is aligned
             assert tree.frontier is not None
-            pieces.append(SegmentBody(sequences[0], sequences[-1], len(sequences), body))
-            rows.append(_Row(stream, index + i, sequences[0], sequences[-1], len(sequences), tree.size,
-                             b"", "sealed", None, None, None))
-            frontiers.append(b"".join(tree.frontier))
-        datas = chain_segments(stream, self._lineage, index, previous_hash, pieces)
-        links = [previous_hash] + [d[-HASH_SIZE:] for d in datas[:-1]]
-        return [_Encoded(dataclasses.replace(row, previous_hash=link), data, frontier)
-                for row, link, data, frontier in zip(rows, links, datas, frontiers)]
+            out.append(_Encoded(_Row(stream, index + i, sequences[0], sequences[-1], len(sequences), tree.size,
+                                     previous_hash, "sealed", None, None, None), data, b"".join(tree.frontier)))
+            previous_hash = data[-HASH_SIZE:]
+        return out
 
     async def _reencode(self, conn: Any, rows: list[_Row]) -> list[_Encoded]:
         """The bytes of consecutive recorded segments, encoded again from the history (one query)."""

@@ -282,6 +282,53 @@ def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[byte
 def encode_body_tree(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[bytes, Subtree]:
     """:func:`encode_body`, with the events' :class:`~protocol.merkle.Subtree` instead of only their
     leaf hashes, so a caller extending the stream's tree reuses the nodes the root was made of."""
+    lengths = _check_events(sequences, bodies)
+    tree = subtree(hash_leaves(bodies))
+    if _native is not None:
+        data = b"".join((_native.encode_frames(sequences, bodies), tree.root))
+    else:
+        # Whole-list steps (map over C callables) rather than a loop of statements: this runs once
+        # per archived event, and the interpreter's per-statement cost is most of it.
+        frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
+        parts: list[bytes] = [b""] * (2 * len(frames) + 1)
+        parts[0:-1:2] = frames
+        parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
+        parts[-1] = tree.root
+        data = b"".join(parts)
+    return data, tree
+
+
+def encode_chain(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
+                 segments: Sequence[tuple[Sequence[int], Sequence[bytes]]]) -> list[tuple[bytes, Subtree]]:
+    """Consecutive segments ``index``, ``index + 1``, ... from their (sequences, event bytes), each
+    linked to the one before (``previous_hash`` for the first), with each one's Merkle subtree:
+    what :func:`encode_body_tree` then :func:`chain_segments` make, at the current format version.
+
+    With the C extension, each segment is written into one buffer (header, frames, root) and hashed
+    there, instead of being joined from its parts twice. ValueError as those two raise it.
+    """
+    if _native is None:
+        made = [encode_body_tree(sequences, bodies) for sequences, bodies in segments]
+        datas = chain_segments(stream, lineage, index, previous_hash, [
+            SegmentBody(sequences[0], sequences[-1], len(sequences), body)
+            for (sequences, _), (body, _) in zip(segments, made)])
+        return [(data, tree) for data, (_, tree) in zip(datas, made)]
+    _check_chain(index, len(segments), previous_hash, FORMAT_VERSION)
+    out: list[tuple[bytes, Subtree]] = []
+    for i, (sequences, bodies) in enumerate(segments):
+        _check_events(sequences, bodies)
+        tree = subtree(hash_leaves(bodies))
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, int(stream), 0, lineage.bytes, index + i, sequences[0],
+                              sequences[-1], len(sequences), previous_hash)
+        data = _native.encode_frames(sequences, bodies, header, tree.root)
+        previous_hash = data[-HASH_SIZE:]
+        out.append((data, tree))
+    return out
+
+
+def _check_events(sequences: Sequence[int], bodies: Sequence[bytes]) -> list[int]:
+    """The events' byte lengths; ValueError when they could never decode as one segment (none, too
+    many, unordered, out of bounds, too large)."""
     count = len(sequences)
     if not count or len(bodies) != count:
         raise ValueError("a segment holds at least one event, each with a sequence and its bytes")
@@ -292,21 +339,9 @@ def encode_body_tree(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple
     lengths = list(map(len, bodies))
     if max(lengths) > MAX_EVENT_BYTES:
         raise ValueError(f"an event is larger than {MAX_EVENT_BYTES} bytes")
-    tree = subtree(hash_leaves(bodies))
-    if _native is not None:
-        data = b"".join((_native.encode_frames(sequences, bodies), tree.root))
-    else:
-        # Whole-list steps (map over C callables) rather than a loop of statements: this runs once
-        # per archived event, and the interpreter's per-statement cost is most of it.
-        frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
-        parts: list[bytes] = [b""] * (2 * count + 1)
-        parts[0:-1:2] = frames
-        parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
-        parts[-1] = tree.root
-        data = b"".join(parts)
-    if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
+    if HEADER_SIZE + TRAILER_SIZE + FRAME_OVERHEAD * count + sum(lengths) > MAX_SEGMENT_BYTES:
         raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
-    return data, tree
+    return lengths
 
 
 def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
@@ -316,14 +351,7 @@ def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash
 
     Only SHA-256 over large buffers, which releases the GIL: callers may run it in a thread.
     """
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
-    if not 0 <= index <= MAX_INDEX - len(bodies) + 1:
-        raise ValueError(f"segment index must be 0..{MAX_INDEX}")
-    if len(previous_hash) != HASH_SIZE:
-        raise ValueError("previous hash must be 32 bytes")
-    if (index == 0) != (previous_hash == GENESIS_HASH):
-        raise ValueError("segment 0, and only segment 0, links to the genesis hash")
+    _check_chain(index, len(bodies), previous_hash, version)
     out: list[bytes] = []
     for i, piece in enumerate(bodies):
         header = _HEADER.pack(MAGIC, version, int(stream), 0, lineage.bytes, index + i, piece.first_sequence,
@@ -333,6 +361,18 @@ def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash
         previous_hash = digest.digest()
         out.append(b"".join((header, piece.body, previous_hash)))
     return out
+
+
+def _check_chain(index: int, count: int, previous_hash: bytes, version: int) -> None:
+    """ValueError unless ``count`` segments from ``index`` linking to ``previous_hash`` could decode."""
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
+    if not 0 <= index <= MAX_INDEX - count + 1:
+        raise ValueError(f"segment index must be 0..{MAX_INDEX}")
+    if len(previous_hash) != HASH_SIZE:
+        raise ValueError("previous hash must be 32 bytes")
+    if (index == 0) != (previous_hash == GENESIS_HASH):
+        raise ValueError("segment 0, and only segment 0, links to the genesis hash")
 
 
 def segment_hash(data: bytes) -> bytes:

@@ -169,3 +169,25 @@ def test_a_subtree_extends_the_tree_as_its_leaves_do(sizes: list[int]) -> None:
         reused.extend(part)
         assert (reused.size, reused.frontier) == (plain.size, plain.frontier)
         assert reused.root() == tree_root(leaves)
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories(), st.integers(0, 5))
+def test_encode_chain_is_encode_segment_linked_either_way(history: list[list[ArchivedEvent]], start: int) -> None:
+    previous = GENESIS_HASH if start == 0 else b"\x05" * 32
+    segments = [([e.sequence for e in events], [e.body for e in events]) for events in history]
+    made = fmt.encode_chain(Stream.PRIVATE, LINEAGE, start, previous, segments)
+    expected, link = [], previous
+    for i, events in enumerate(history):
+        expected.append(encode_segment(Stream.PRIVATE, LINEAGE, start + i, link, events))
+        link = expected[-1][-32:]
+    assert [data for data, _ in made] == expected
+    assert [tree.root for _, tree in made] == [decode_segment(d).merkle_root for d in expected]
+    saved = fmt._native, merkle._native
+    fmt._native = merkle._native = None  # type: ignore[assignment]
+    try:
+        assert [data for data, _ in fmt.encode_chain(Stream.PRIVATE, LINEAGE, start, previous, segments)] == expected
+    finally:
+        fmt._native, merkle._native = saved
+    with pytest.raises(ValueError):
+        fmt.encode_chain(Stream.PRIVATE, LINEAGE, start + 1, GENESIS_HASH, segments)  # genesis link on a later one
