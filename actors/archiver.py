@@ -451,6 +451,8 @@ class Archiver(Actor):
         backoff = STORE_BACKOFF[0]
         loop = asyncio.get_running_loop()
         next_measure = loop.time()
+        # Read the first public batch while the store is probed and the first round starts.
+        await guarded(session, self._read_first(session))
         while not self._stop_requested.is_set():
             self._wake.clear()
             try:
@@ -500,6 +502,16 @@ class Archiver(Actor):
     def _signer(self) -> SignerKey:
         assert self.signer is not None
         return self.signer
+
+    def _batch_limits(self) -> tuple[int, int]:
+        """Events and event bytes read per batch at most."""
+        return self.policy.events * self.batch_segments, self.policy.bytes * BATCH_SEGMENT_BYTES
+
+    async def _read_first(self, session: LockSession) -> None:
+        """Start reading the public batch after the last segment (used if the first seal wants it)."""
+        after = await session.conn.fetchval(
+            "select coalesce(max(last_sequence), 0) from archive_segments where stream = $1", int(Stream.PUBLIC))
+        self._prefetch_rows(Stream.PUBLIC, int(after), *self._batch_limits())
 
     async def _round(self, session: LockSession, stream: Stream) -> bool:
         """Move ``stream`` one batch on; True when there may be more to do at once."""
@@ -583,7 +595,7 @@ class Archiver(Actor):
         previous = _row(last) if last is not None else None
         after = previous.last if previous is not None else 0
         policy = self.policy
-        limit, budget = policy.events * self.batch_segments, policy.bytes * BATCH_SEGMENT_BYTES
+        limit, budget = self._batch_limits()
         sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget)
         if not sequences:
             return []

@@ -21,11 +21,12 @@
 
 #define HASH_SIZE 32
 
-/* The GIL is released only around work on at least this many input bytes (a few milliseconds of
- * hashing). Taking it back after a release waits for the thread holding it to let go, up to the
- * interpreter's switch interval (5 ms): measured in the archiver, whose encoding thread runs beside
- * the event loop, releasing it around each segment's ~1 ms of hashing made encoding twice as slow. */
-#define RELEASE_GIL_ABOVE (4 << 20)
+/* The GIL is released only around work on at least this many input bytes (a segment's events:
+ * its leaf hashes, its frames). Taking it back after a release waits for the thread holding it to
+ * let go: measured in the archiver, whose encoding thread runs beside the event loop, releasing it
+ * around every call, the small ones too (a level of a few node hashes), made encoding twice as
+ * slow; around the large ones only, encoding overlaps the event loop's reading of the next rows. */
+#define RELEASE_GIL_ABOVE (256 << 10)
 #define BEGIN_MAYBE_UNLOCKED(bytes) \
     { \
         PyThreadState *saved_thread = (bytes) >= RELEASE_GIL_ABOVE ? PyEval_SaveThread() : NULL;
