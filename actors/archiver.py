@@ -33,15 +33,17 @@ at once; behind, the checkpoints are fewer (each still extends the last).
    archiver loudly: it crashes, and every restart the supervisor makes (with its growing back-off)
    meets the same object and reports it again, until an operator acts. The rows move to
    ``written`` with size, hash, root and the Merkle frontier after each.
-4. **Verify**: read each object back; walk its frames and CRC32Cs, check link, lineage, index and
-   stream, recompute its SHA-256 and compare it with the row's
-   (:func:`protocol.archive.check_read_back`): only then ``verified``.
+4. **Verify**: read each object back; recompute its SHA-256 and compare it with the row's, check
+   link, lineage, index and stream, and either compare it byte for byte with the bytes this process
+   put (kept until then) or, for a segment written by an earlier run, walk its frames and CRC32Cs
+   (:func:`protocol.archive.check_read_back`, :meth:`Archiver._check_now`): only then ``verified``.
 5. **Publish**: sign a checkpoint of the stream's tree (``checkpoints/<size>``, kept for ever;
    private: ``private/checkpoints/<size>``, with the extension line ``private``), put the public key
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
 
-While behind, the next batch's rows are read ahead on a pool connection, and encoding and the
-read-back check run in a worker thread (SHA-256 over whole segments releases the GIL).
+While behind, the next batch's rows are read ahead on a pool connection (the first one while the
+store is probed), and encoding and the read-back check run in a worker thread (hashing whole
+segments and lists of events releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
