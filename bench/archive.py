@@ -10,7 +10,9 @@ Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s
   checkpointed, in the manifest);
 - **verify**: every published segment read back from the store and decoded (CRCs, Merkle subtree
   root, hash, link to the previous one), all leaves appended to one tree, the root compared with the
-  signed checkpoint's.
+  signed checkpoint's. The leaves are appended as the decoder's ``Subtree`` (``seg.tree``), as
+  ``archive verify``, restore and the mirror do: the history's tree reuses the node hashes the
+  subtree root check made where they coincide, and every leaf still goes into the tree.
 
 - **lag**: the Procfile's processes (``web``, ``writer``, ``publisher``, ``archiver``; default
   sealing rules) on a fresh database, RabbitMQ virtual host and data directory (its archive
