@@ -304,6 +304,34 @@ class _Encoded:
         return self.data[-2 * HASH_SIZE:-HASH_SIZE]
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """The next batch of a stream, read ahead and, once the batch before it is encoded, cut and
+    encoded ahead: a cache of what :meth:`Archiver._seal` computes, keyed by its inputs."""
+
+    #: The sequence the batch starts after.
+    after: int
+    rows: asyncio.Future[tuple[list[int], list[bytes]]]
+    #: (index, previous hash, tree size) the encoding started from, and its task: the cuts it made
+    #: (by the events and bytes rules; the age rule needs the database) and the segments.
+    encoded: tuple[tuple[int, bytes, int], asyncio.Future[tuple[list[tuple[int, int, str]], list[_Encoded]]]] | None = None
+
+    def cancel(self) -> None:
+        self.rows.cancel()
+        if self.encoded is not None:
+            self.encoded[1].cancel()
+
+
+F = TypeVar("F", bound=asyncio.Future[Any])
+
+
+def _quiet(future: F) -> F:
+    """``future``, its failure marked as seen: work done ahead may fail or be dropped unawaited, and
+    whoever needs it does the work again and meets the error then."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
 async def _store_all(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
     """Run store calls, :data:`STORE_CONCURRENCY` at a time, and wait for all of them.
 
@@ -378,8 +406,8 @@ class Archiver(Actor):
         self._consumer: Consumer | None = None
         self._probed = False
         self._progress = asyncio.Event()
-        #: Per stream: the batch being read ahead, as (the sequence it starts after, its task).
-        self._prefetch: dict[Stream, tuple[int, asyncio.Future[tuple[list[int], list[bytes]]]]] = {}
+        #: Per stream: the next batch, read and encoded ahead while the current one is put and read back.
+        self._prefetch: dict[Stream, _Ahead] = {}
 
     # --- observing ---------------------------------------------------------------------------
 
@@ -598,7 +626,11 @@ class Archiver(Actor):
         after = previous.last if previous is not None else 0
         policy = self.policy
         limit, budget = self._batch_limits()
-        sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget)
+        ahead = self._prefetch.pop(stream, None)
+        if ahead is not None and ahead.after != after:
+            ahead.cancel()
+            ahead = None
+        sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget, ahead)
         if not sequences:
             return []
         # Rows may follow the batch: its open tail could still fill up, so it is left for later.
@@ -610,6 +642,8 @@ class Archiver(Actor):
             if age is not None and age >= policy.seconds:
                 cuts.append((start, len(sequences), "age"))
         if not cuts:
+            if ahead is not None:
+                ahead.cancel()
             return []
         if truncated:
             # Behind: read the next batch while this one is encoded, put and read back.
@@ -618,8 +652,15 @@ class Archiver(Actor):
         index = previous.index + 1 if previous is not None else 0
         previous_hash = previous.hash if previous is not None else GENESIS_HASH
         assert previous_hash is not None  # the previous segment is published, hence encoded
-        batch = await self._encode(stream, index, previous_hash, [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts],
-                                   tree)
+        batch = await self._encoded_ahead(ahead, (index, previous_hash, tree.size), cuts)
+        if batch is None:
+            batch = await self._encode(stream, index, previous_hash,
+                                       [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts], tree)
+        if truncated:
+            # And encode that one as soon as its rows are in, while this batch is put, read back and published.
+            last_ = batch[-1]
+            self._encode_ahead(stream, (last_.sealed.index + 1, last_.data[-HASH_SIZE:], last_.sealed.tree_size),
+                               last_.written.tree())
         rows_ = [e.sealed for e in batch]
         await conn.execute(
             "insert into archive_segments (stream, format_version, segment_index, first_sequence, last_sequence, "
@@ -646,17 +687,51 @@ class Archiver(Actor):
 
     # --- encode, write, verify ---------------------------------------------------------------
 
-    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int,
-                          budget: int) -> tuple[list[int], list[bytes]]:
-        """The batch after ``after``: the prefetched one when it is that, else read now."""
-        prefetch = self._prefetch.pop(stream, None)
-        if prefetch is not None:
-            prefetched_after, task = prefetch
-            if prefetched_after == after:
-                with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
-                    return await task
-            task.cancel()
+    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int, budget: int,
+                          ahead: _Ahead | None) -> tuple[list[int], list[bytes]]:
+        """The batch after ``after``: the one read ahead (``ahead``, read after that same sequence)
+        when there is one, else read now."""
+        if ahead is not None:
+            with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
+                return await ahead.rows
         return await _read_batch(conn, stream, after, limit, budget)
+
+    async def _encoded_ahead(self, ahead: _Ahead | None, start: tuple[int, bytes, int],
+                             cuts: list[tuple[int, int, str]]) -> list[_Encoded] | None:
+        """The segments encoded ahead from the same rows when they were encoded from ``start``
+        (index, previous hash, tree size) with the same ``cuts``, else None (encode them now).
+
+        The same inputs give the same bytes (the encoding is deterministic): they are the segments
+        :meth:`_encode` would make, made earlier."""
+        if ahead is None or ahead.encoded is None:
+            return None
+        key, task = ahead.encoded
+        if key != start:
+            task.cancel()
+            return None
+        with contextlib.suppress(Exception):  # a failed encoding ahead is only a missed shortcut
+            made_cuts, batch = await task
+            return batch if made_cuts == cuts else None
+        return None
+
+    def _encode_ahead(self, stream: Stream, start: tuple[int, bytes, int], tree: CompactTree) -> None:
+        """Once the rows read ahead are in, cut them by the events and bytes rules and encode them
+        from ``start`` (index, previous hash, tree size: where the batch just encoded ends)."""
+        ahead = self._prefetch.get(stream)
+        if ahead is None:
+            return
+        index, previous_hash, _size = start
+        rows = ahead.rows
+
+        async def encode() -> tuple[list[tuple[int, int, str]], list[_Encoded]]:
+            sequences, bodies = await rows
+            cuts, _tail = seal_cuts(list(map(len, bodies)), self.policy)
+            if not cuts:
+                return cuts, []
+            return cuts, await self._encode(stream, index, previous_hash,
+                                            [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts], tree)
+
+        ahead.encoded = (start, _quiet(asyncio.ensure_future(encode())))
 
     def _prefetch_rows(self, stream: Stream, after: int, limit: int, budget: int) -> None:
         """Start reading the batch after ``after`` on a pool connection (the history is committed and
@@ -667,12 +742,12 @@ class Archiver(Actor):
 
         old = self._prefetch.pop(stream, None)
         if old is not None:
-            old[1].cancel()
-        self._prefetch[stream] = (after, asyncio.ensure_future(read()))
+            old.cancel()
+        self._prefetch[stream] = _Ahead(after, _quiet(asyncio.ensure_future(read())))
 
     def _drop_prefetches(self) -> None:
-        for _after, task in self._prefetch.values():
-            task.cancel()
+        for ahead in self._prefetch.values():
+            ahead.cancel()
         self._prefetch.clear()
 
     async def _encode(self, stream: Stream, index: int, previous_hash: bytes,
