@@ -63,6 +63,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import operator
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -220,10 +221,13 @@ _PUBLIC_RANGE = ("select sequence, textsend(event) as body from changes where se
                  "order by sequence")
 _PRIVATE_RANGE = ("select sequence, body from archive_private_records where sequence between $1 and $2 "
                   "order by sequence")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
 async def _read_batch(conn: Any, stream: Stream, after: int, limit: int, budget: int) -> tuple[list[int], list[bytes]]:
     """The sequences and bodies of the batch after ``after`` (see ``_PUBLIC_BATCH``)."""
     rows = await conn.fetch(_PUBLIC_BATCH if stream is Stream.PUBLIC else _PRIVATE_BATCH, after, limit, budget)
-    return [r[0] for r in rows], [r[1] for r in rows]
+    return list(map(_FIRST, rows)), list(map(_SECOND, rows))
 
 
 # Seconds since the first event after $1 (the start of the open segment), or no row.
