@@ -360,6 +360,151 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(build_segment_doc,
+             "build_segment(header, sequences, bodies, /)\n--\n\n"
+             "(segment, levels, root): the whole segment after `header` (its 88 bytes, packed by the caller,\n"
+             "who also checked the events' bounds) in one pass over the events, each copied into its frame\n"
+             "while its CRC32C, its leaf hash and the segment's SHA-256 are computed; `levels[h]` the\n"
+             "perfect subtrees of height h over the leaves (protocol.merkle.Subtree), `root` their root.");
+
+static PyObject *build_segment(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "build_segment(header: bytes, sequences, bodies)");
+        return NULL;
+    }
+    const char *header = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t header_size = PyBytes_GET_SIZE(args[0]);
+    Inputs in = {0};
+    if (inputs_take(args[2], &in, -1, "event bytes") < 0) {
+        return NULL;
+    }
+    PyObject *seqs = PySequence_Fast(args[1], "expected a list or tuple of sequences");
+    if (seqs == NULL) {
+        inputs_free(&in);
+        return NULL;
+    }
+    PyObject *out = NULL, *result = NULL, *levels = NULL;
+    uint64_t *numbers = NULL;
+    unsigned char *nodes = NULL;
+    Py_ssize_t n = in.count;
+    if (n < 1 || PySequence_Fast_GET_SIZE(seqs) != n) {
+        PyErr_SetString(PyExc_ValueError, "one sequence per event, at least one event");
+        goto done;
+    }
+    numbers = PyMem_Malloc(n * sizeof(uint64_t));
+    /* Every level's nodes one after the other: n leaves, n / 2 pairs, ... (fewer than 2n in all). */
+    nodes = PyMem_Malloc(2 * n * HASH_SIZE);
+    if (numbers == NULL || nodes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t total = header_size + 2 * HASH_SIZE;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
+        if (v == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        if (v < 0 || in.sizes[i] > 0xffffffffLL) {
+            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
+            goto done;
+        }
+        numbers[i] = (uint64_t)v;
+        total += 16 + in.sizes[i];
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) {
+        goto done;
+    }
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out);
+    unsigned char *w = start, *root = NULL;
+    int ok = 1, height = 0;
+    Py_ssize_t level_at[64], level_count[64];
+    BEGIN_MAYBE_UNLOCKED(total)
+    SHA256_CTX segment, leaf;
+    unsigned char leaf_prefix = 0x00, node_prefix = 0x01;
+    ok = SHA256_Init(&segment);
+    memcpy(w, header, (size_t)header_size);
+    w += header_size;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        unsigned char *frame = w;
+        put_be32(w, (uint32_t)in.sizes[i]);
+        put_be32(w + 4, (uint32_t)(numbers[i] >> 32));
+        put_be32(w + 8, (uint32_t)numbers[i]);
+        memcpy(w + 12, in.data[i], (size_t)in.sizes[i]);
+        w += 12 + in.sizes[i];
+        put_be32(w, crc32c(0, frame, (size_t)(w - frame)));
+        w += 4;
+        ok = SHA256_Init(&leaf) && SHA256_Update(&leaf, &leaf_prefix, 1) &&
+             SHA256_Update(&leaf, frame + 12, (size_t)in.sizes[i]) && SHA256_Final(nodes + i * HASH_SIZE, &leaf);
+    }
+    ok = ok && SHA256_Update(&segment, start, (size_t)(w - start));
+    /* The perfect subtrees, level by level (an unpaired last node is not one: it stays out). */
+    level_at[0] = 0;
+    level_count[0] = n;
+    while (ok && level_count[height] > 1) {
+        Py_ssize_t below = level_at[height], count = level_count[height] / 2;
+        level_at[height + 1] = below + level_count[height];
+        level_count[height + 1] = count;
+        for (Py_ssize_t j = 0; j < count && ok; j++) {
+            SHA256_CTX node;
+            ok = SHA256_Init(&node) && SHA256_Update(&node, &node_prefix, 1) &&
+                 SHA256_Update(&node, nodes + (below + 2 * j) * HASH_SIZE, 2 * HASH_SIZE) &&
+                 SHA256_Final(nodes + (level_at[height + 1] + j) * HASH_SIZE, &node);
+        }
+        height++;
+    }
+    /* The root: one perfect subtree per set bit of n, folded from the smallest (rightmost). */
+    unsigned char acc[HASH_SIZE];
+    int have = 0;
+    for (int h = 0; h <= height && ok; h++) {
+        if (!((n >> h) & 1)) {
+            continue;
+        }
+        const unsigned char *peak = nodes + (level_at[h] + level_count[h] - 1) * HASH_SIZE;
+        if (!have) {
+            memcpy(acc, peak, HASH_SIZE);
+            have = 1;
+        } else {
+            SHA256_CTX node;
+            ok = SHA256_Init(&node) && SHA256_Update(&node, &node_prefix, 1) && SHA256_Update(&node, peak, HASH_SIZE) &&
+                 SHA256_Update(&node, acc, HASH_SIZE) && SHA256_Final(acc, &node);
+        }
+    }
+    root = w;
+    memcpy(w, acc, HASH_SIZE);
+    w += HASH_SIZE;
+    ok = ok && SHA256_Update(&segment, root, HASH_SIZE) && SHA256_Final(w, &segment);
+    END_MAYBE_UNLOCKED
+    if (!ok) {
+        PyErr_SetString(PyExc_RuntimeError, "SHA-256 failed");
+        goto done;
+    }
+    levels = PyTuple_New(height + 1);
+    if (levels == NULL) {
+        goto done;
+    }
+    for (int h = 0; h <= height; h++) {
+        PyObject *level = digest_list(nodes + level_at[h] * HASH_SIZE, level_count[h]);
+        if (level == NULL) {
+            goto done;
+        }
+        PyTuple_SET_ITEM(levels, h, level);
+    }
+    PyObject *root_bytes = PyBytes_FromStringAndSize((const char *)root, HASH_SIZE);
+    if (root_bytes != NULL) {
+        result = PyTuple_Pack(3, out, levels, root_bytes);
+        Py_DECREF(root_bytes);
+    }
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(levels);
+    PyMem_Free(numbers);
+    PyMem_Free(nodes);
+    Py_DECREF(seqs);
+    inputs_free(&in);
+    return result;
+}
+
 PyDoc_STRVAR(scan_frames_doc,
              "scan_frames(data, start, end, count, max_length, bodies, /)\n--\n\n"
              "(sequences, event bytes or [], leaf hashes or []) of the `count` frames that exactly fill\n"
@@ -495,6 +640,7 @@ static PyMethodDef methods[] = {
     {"leaf_hashes", leaf_hashes, METH_O, leaf_hashes_doc},
     {"node_hashes", node_hashes, METH_O, node_hashes_doc},
     {"encode_frames", (PyCFunction)(void (*)(void))encode_frames, METH_FASTCALL, encode_frames_doc},
+    {"build_segment", (PyCFunction)(void (*)(void))build_segment, METH_FASTCALL, build_segment_doc},
     {"scan_frames", (PyCFunction)(void (*)(void))scan_frames, METH_FASTCALL, scan_frames_doc},
     {"crc32c", crc32c_value, METH_O, crc32c_doc},
     {NULL, NULL, 0, NULL},

@@ -304,8 +304,9 @@ def encode_chain(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: 
     linked to the one before (``previous_hash`` for the first), with each one's Merkle subtree:
     what :func:`encode_body_tree` then :func:`chain_segments` make, at the current format version.
 
-    With the C extension, each segment is written into one buffer (header, frames, root) and hashed
-    there, instead of being joined from its parts twice. ValueError as those two raise it.
+    With the C extension, each segment is made in one buffer in one pass over its events (see
+    ``build_segment`` in ``protocol/_hashes.c``), instead of being joined from its parts twice and
+    read again for each hash. ValueError as those two raise it.
     """
     if _native is None:
         made = [encode_body_tree(sequences, bodies) for sequences, bodies in segments]
@@ -317,12 +318,13 @@ def encode_chain(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: 
     out: list[tuple[bytes, Subtree]] = []
     for i, (sequences, bodies) in enumerate(segments):
         _check_events(sequences, bodies)
-        tree = subtree(hash_leaves(bodies))
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, int(stream), 0, lineage.bytes, index + i, sequences[0],
                               sequences[-1], len(sequences), previous_hash)
-        data = _native.encode_frames(sequences, bodies, header, tree.root)
+        # One pass over the events: each is copied into its frame while its CRC32C, its leaf hash and
+        # the segment's SHA-256 are computed, then the subtree's levels and root.
+        data, levels, root = _native.build_segment(header, sequences, bodies)
         previous_hash = data[-HASH_SIZE:]
-        out.append((data, tree))
+        out.append((data, Subtree(levels, root)))
     return out
 
 

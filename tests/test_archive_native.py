@@ -183,6 +183,8 @@ def test_encode_chain_is_encode_segment_linked_either_way(history: list[list[Arc
         link = expected[-1][-32:]
     assert [data for data, _ in made] == expected
     assert [tree.root for _, tree in made] == [decode_segment(d).merkle_root for d in expected]
+    assert [tree.levels for _, tree in made] == [subtree([leaf_hash(e.body) for e in events]).levels
+                                                 for events in history]
     saved = fmt._native, merkle._native
     fmt._native = merkle._native = None  # type: ignore[assignment]
     try:
