@@ -206,15 +206,18 @@ def _row(r: Any) -> _Row:
 # row that crosses the line (so the caller can tell whether the size rule cut a segment, and
 # whether rows may follow the batch). Public bodies come as bytes through textsend(), the text's
 # UTF-8 (the connection's encoding): measured, cheaper than text decoded to str and encoded again,
-# than convert_to(), and than parsing COPY's text output.
+# than convert_to(), and than parsing COPY's text output. The running sum's frame is in rows (the
+# sequence is unique, so the same sum as the default range frame): measured, a quarter less of the
+# server's time than the range frame; one row of two arrays (array_agg) costs this process less
+# but the server more than it saves.
 _PUBLIC_BATCH = (
     "select sequence, body from ("
-    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence rows unbounded preceding) - octet_length(body) as before"
     "  from (select sequence, textsend(event) as body from changes where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
 _PRIVATE_BATCH = (
     "select sequence, body from ("
-    "  select sequence, body, sum(octet_length(body)) over (order by sequence) - octet_length(body) as before"
+    "  select sequence, body, sum(octet_length(body)) over (order by sequence rows unbounded preceding) - octet_length(body) as before"
     "  from (select sequence, body from archive_private_records where sequence > $1"
     "  order by sequence limit $2) as page) as sized where before < $3 order by sequence")
 _PUBLIC_RANGE = ("select sequence, textsend(event) as body from changes where sequence between $1 and $2 "
