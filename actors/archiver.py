@@ -42,8 +42,8 @@ at once; behind, the checkpoints are fewer (each still extends the last).
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
 
 While behind, the next batch's rows are read ahead on a pool connection (the first one while the
-store is probed), and encoding and the read-back check run in a worker thread (hashing whole
-segments and lists of events releases the GIL).
+store is probed) and encoded ahead once the batch before is (:class:`_Ahead`), and encoding and the
+read-back check run in a worker thread (hashing whole segments and lists of events releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
