@@ -819,17 +819,18 @@ class Archiver(Actor):
         for outcome in outcomes:
             self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
         stream = batch[0].sealed.stream
-        async with conn.transaction():
-            await conn.execute(
-                "update archive_segments as s set state = 'written', size = u.size, hash = u.hash, "
-                "merkle_root = u.root, frontier = u.frontier, written_at = now() "
-                "from unnest($2::bigint[], $3::integer[], $4::bytea[], $5::bytea[], $6::bytea[]) "
-                "as u(segment_index, size, hash, root, frontier) "
-                "where s.stream = $1 and s.segment_index = u.segment_index and s.state = 'sealed'",
-                int(stream), [e.sealed.index for e in batch], [len(e.data) for e in batch],
-                [e.data[-HASH_SIZE:] for e in batch], [e.root for e in batch], [e.frontier for e in batch])
-            await conn.execute("update archive_watermarks set archived_through = greatest(archived_through, $2), "
-                               "updated_at = now() where stream = $1", int(stream), batch[-1].sealed.last)
+        # One statement, so one round trip and atomic (each state change below is written this way).
+        await conn.execute(
+            "with segments as (update archive_segments as s set state = 'written', size = u.size, hash = u.hash, "
+            "merkle_root = u.root, frontier = u.frontier, written_at = now() "
+            "from unnest($2::bigint[], $3::integer[], $4::bytea[], $5::bytea[], $6::bytea[]) "
+            "as u(segment_index, size, hash, root, frontier) "
+            "where s.stream = $1 and s.segment_index = u.segment_index and s.state = 'sealed') "
+            "update archive_watermarks set archived_through = greatest(archived_through, $7), "
+            "updated_at = now() where stream = $1",
+            int(stream), [e.sealed.index for e in batch], [len(e.data) for e in batch],
+            [e.data[-HASH_SIZE:] for e in batch], [e.root for e in batch], [e.frontier for e in batch],
+            batch[-1].sealed.last)
         self.log.info("archiver.written", stream=stream.name.lower(), index=batch[0].sealed.index,
                       segments=len(batch), size=sum(len(e.data) for e in batch),
                       outcomes=sorted({o.name.lower() for o in outcomes}))
@@ -865,12 +866,10 @@ class Archiver(Actor):
         # walk fills the event loop's waits.
         await asyncio.to_thread(self._check_now, rows, datas, written)
         stream, through = rows[0].stream, max(r.last for r in rows)
-        async with conn.transaction():
-            await conn.execute("update archive_segments set state = 'verified', verified_at = now() "
-                               "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written'",
-                               int(stream), [r.index for r in rows])
-            await conn.execute("update archive_watermarks set verified_through = greatest(verified_through, $2), "
-                               "updated_at = now() where stream = $1", int(stream), through)
+        await conn.execute("with segments as (update archive_segments set state = 'verified', verified_at = now() "
+                           "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written') "
+                           "update archive_watermarks set verified_through = greatest(verified_through, $3), "
+                           "updated_at = now() where stream = $1", int(stream), [r.index for r in rows], through)
         self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
         self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
         self._progressed()
@@ -922,14 +921,14 @@ class Archiver(Actor):
                                 r["size"], bytes(r["hash"]).hex()) for r in listed))
             validate_manifest(manifest)
             await self.store.replace(manifest_key(self._lineage), encode_manifest(manifest))
-        async with conn.transaction():
-            await conn.execute("insert into archive_checkpoints (stream, tree_size, root, note) values ($1, $2, $3, $4) "
-                               "on conflict do nothing", int(stream), last.tree_size, checkpoint.root, note)
-            await conn.execute("update archive_segments set state = 'published', published_at = now() "
-                               "where stream = $1 and state = 'verified' and segment_index <= $2",
-                               int(stream), last.index)
-            await conn.execute("update archive_watermarks set published_through = greatest(published_through, $2), "
-                               "updated_at = now() where stream = $1", int(stream), last.last)
+        await conn.execute(
+            "with checkpoint as (insert into archive_checkpoints (stream, tree_size, root, note) "
+            "values ($1, $2, $3, $4) on conflict do nothing), "
+            "segments as (update archive_segments set state = 'published', published_at = now() "
+            "where stream = $1 and state = 'verified' and segment_index <= $5) "
+            "update archive_watermarks set published_through = greatest(published_through, $6), "
+            "updated_at = now() where stream = $1",
+            int(stream), last.tree_size, checkpoint.root, note, last.index, last.last)
         self.log.info("archiver.published", stream=stream.name.lower(), tree_size=last.tree_size)
         self._progressed()
 
