@@ -263,29 +263,15 @@ static uint32_t get_be32(const unsigned char *p) {
 static uint64_t get_be64(const unsigned char *p) { return (uint64_t)get_be32(p) << 32 | get_be32(p + 4); }
 
 PyDoc_STRVAR(encode_frames_doc,
-             "encode_frames(sequences, bodies, header=None, root=None, /)\n--\n\n"
+             "encode_frames(sequences, bodies, /)\n--\n\n"
              "The frames of a segment, concatenated: for each event, its length (u32) and sequence (u64),\n"
              "big-endian, its bytes, then the CRC32C (u32) of those three. The caller checks the bounds\n"
-             "(lengths, sequence order) first; sequences must fit in 0..2**63-1.\n\n"
-             "With `header` and `root` (bytes): the whole segment instead, in one buffer: the header, the\n"
-             "frames, the root, then the SHA-256 of everything before it.");
+             "(lengths, sequence order) first; sequences must fit in 0..2**63-1.");
 
 static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "encode_frames(sequences, bodies[, header, root])");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "encode_frames(sequences, bodies)");
         return NULL;
-    }
-    const char *header = NULL, *root = NULL;
-    Py_ssize_t header_size = 0, root_size = 0;
-    if (nargs == 4) {
-        if (!PyBytes_Check(args[2]) || !PyBytes_Check(args[3])) {
-            PyErr_SetString(PyExc_TypeError, "header and root must be bytes");
-            return NULL;
-        }
-        header = PyBytes_AS_STRING(args[2]);
-        header_size = PyBytes_GET_SIZE(args[2]);
-        root = PyBytes_AS_STRING(args[3]);
-        root_size = PyBytes_GET_SIZE(args[3]);
     }
     Inputs in = {0};
     if (inputs_take(args[1], &in, -1, "event bytes") < 0) {
@@ -307,7 +293,7 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t total = header_size + (header != NULL ? root_size + HASH_SIZE : 0);
+    Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < in.count; i++) {
         long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
         if (v == -1 && PyErr_Occurred()) {
@@ -324,14 +310,8 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
     if (out == NULL) {
         goto done;
     }
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(out);
-    unsigned char *w = start;
-    int hashed = 1;
+    unsigned char *w = (unsigned char *)PyBytes_AS_STRING(out);
     BEGIN_MAYBE_UNLOCKED(total)
-    if (header != NULL) {
-        memcpy(w, header, (size_t)header_size);
-        w += header_size;
-    }
     for (Py_ssize_t i = 0; i < in.count; i++) {
         unsigned char *frame = w;
         put_be32(w, (uint32_t)in.sizes[i]);
@@ -342,17 +322,7 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         put_be32(w, crc32c(0, frame, (size_t)(w - frame)));
         w += 4;
     }
-    if (header != NULL) {
-        memcpy(w, root, (size_t)root_size);
-        w += root_size;
-        SHA256_CTX ctx;
-        hashed = SHA256_Init(&ctx) && SHA256_Update(&ctx, start, (size_t)(w - start)) && SHA256_Final(w, &ctx);
-    }
     END_MAYBE_UNLOCKED
-    if (!hashed) {
-        Py_CLEAR(out);
-        PyErr_SetString(PyExc_RuntimeError, "SHA-256 failed");
-    }
 done:
     PyMem_Free(numbers);
     Py_DECREF(seqs);
