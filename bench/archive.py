@@ -10,7 +10,9 @@ Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s
   checkpointed, in the manifest);
 - **verify**: every published segment read back from the store and decoded (CRCs, Merkle subtree
   root, hash, link to the previous one), all leaves appended to one tree, the root compared with the
-  signed checkpoint's.
+  signed checkpoint's. The leaves are appended as the decoder's ``Subtree`` (``seg.tree``), as
+  ``archive verify``, restore and the mirror do: the history's tree reuses the node hashes the
+  subtree root check made where they coincide, and every leaf still goes into the tree.
 
 - **lag**: the Procfile's processes (``web``, ``writer``, ``publisher``, ``archiver``; default
   sealing rules) on a fresh database, RabbitMQ virtual host and data directory (its archive
@@ -127,7 +129,7 @@ async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: st
                              expected_previous_hash=previous, expected_lineage=lineage,
                              expected_index=entry.index, expected_stream=Stream.PUBLIC)
         previous = seg.hash
-        tree.extend(seg.leaf_hashes)
+        tree.extend(seg.tree or seg.leaf_hashes)
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, tree.size)),
                                    parse_verifier_key(verifier_text))
     assert checkpoint.root == tree.root(), "the recomputed root differs from the checkpoint's"

@@ -14,7 +14,10 @@ local directory and any S3-compatible server take the same code path:
 - :meth:`ArchiveStore.probe_create_only` checks, with a throw-away key under ``probes/``, that the
   store really refuses a second create (some S3-compatible stores ignore the precondition).
 
-Reads are bounded: :meth:`get` refuses an object larger than ``max_bytes`` before reading it.
+Reads are bounded: :meth:`get` refuses an object larger than ``max_bytes`` before reading it. On a
+directory, :meth:`get` reads the file itself (obstore writes objects there under a temporary name
+and links them into place, so a file at a key is always whole): measured, obstore's get of a
+local object cost eight times a plain read, and the archiver reads back every segment it writes.
 Errors from the store are re-raised as :class:`ArchiveStoreError` naming the operation and key,
 never the store's credentials.
 
@@ -23,8 +26,11 @@ Not here yet: the archiver's back-off and retry policy around these calls (issue
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
+import os
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -105,6 +111,12 @@ _CLIENT_OPTIONS: dict[str, Any] = {"timeout": timedelta(seconds=60), "connect_ti
 _RETRY: dict[str, Any] = {"max_retries": 2}
 
 
+#: Keys a directory store reads as plain paths (every key the archive writes); others go through obstore.
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
+#: A directory store reads files up to this size on the event loop, larger ones in a thread.
+_READ_INLINE = 1 << 20
+
+
 def _check_key(key: str) -> None:
     parts = key.split("/")
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
@@ -114,17 +126,19 @@ def _check_key(key: str) -> None:
 class ArchiveStore:
     """Create-only object storage for archive segments, checkpoints and the manifest."""
 
-    def __init__(self, store: LocalStore | S3Store, description: str) -> None:
-        """Wrap an obstore store; ``description`` names it in messages (no credentials in it)."""
+    def __init__(self, store: LocalStore | S3Store, description: str, directory: Path | None = None) -> None:
+        """Wrap an obstore store; ``description`` names it in messages (no credentials in it);
+        ``directory``: the local store's root, read directly by :meth:`get`."""
         self._store = store
         self.description = description
+        self._directory = directory
 
     @classmethod
     def local(cls, directory: Path) -> ArchiveStore:
         """A store in ``directory`` (created if missing)."""
         directory = directory.expanduser().resolve()
         directory.mkdir(parents=True, exist_ok=True)
-        return cls(LocalStore(directory, mkdir=True), f"directory {directory}")
+        return cls(LocalStore(directory, mkdir=True), f"directory {directory}", directory)
 
     @classmethod
     def s3(cls, bucket: str, prefix: str, options: S3Options) -> ArchiveStore:
@@ -214,6 +228,8 @@ class ArchiveStore:
     async def get(self, key: str, *, max_bytes: int = MAX_SEGMENT_BYTES) -> bytes:
         """The bytes of ``key``; ObjectNotFound, or ObjectTooLarge when over ``max_bytes`` (not read)."""
         _check_key(key)
+        if self._directory is not None and _PLAIN_KEY.fullmatch(key):
+            return await self._read_file(key, max_bytes)
         try:
             result = await obstore.get_async(self._store, key)
             size = int(result.meta["size"])
@@ -223,6 +239,25 @@ class ArchiveStore:
         except (NotFoundError, FileNotFoundError):
             raise ObjectNotFound(f"archive store ({self.description}): no object {key}") from None
         except (BaseError, OSError) as e:
+            raise self._failed("get", key, e) from e
+        if len(data) != size:
+            raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")
+        return data
+
+    async def _read_file(self, key: str, max_bytes: int) -> bytes:
+        """:meth:`get` on a directory: the file under the key (a small one read at once, a larger one
+        in a thread, so the event loop never waits long on the disk)."""
+        assert self._directory is not None
+        path = self._directory / key
+        try:
+            with path.open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise ObjectTooLarge(f"{key} is {size} bytes, more than {max_bytes}")
+                data = f.read(size + 1) if size <= _READ_INLINE else await asyncio.to_thread(f.read, size + 1)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFound(f"archive store ({self.description}): no object {key}") from None
+        except OSError as e:
             raise self._failed("get", key, e) from e
         if len(data) != size:
             raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")

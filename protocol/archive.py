@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import re
 import struct
 import uuid
@@ -36,7 +37,14 @@ import orjson
 
 from protocol.corpus import canonical_json
 from protocol.errors import ToastMachineError
-from protocol.merkle import LEAF_PREFIX, leaf_hash, tree_root
+from protocol.merkle import LEAF_PREFIX, Subtree, hash_leaves, leaf_hash, subtree
+
+try:
+    # The frames loops in C (protocol/_hashes.c, built by setup.py); without it, the pure-Python
+    # lines below do the same work.
+    from protocol import _hashes as _native
+except ImportError:  # pragma: no cover - exercised only where the extension is not built
+    _native = None  # type: ignore[assignment]  # (the module or nothing)
 
 #: First 8 bytes of every segment. CR LF and 0x1A catch a file mangled by text-mode transfers.
 MAGIC = b"TMSEG\r\n\x1a"
@@ -205,6 +213,9 @@ class DecodedSegment:
     leaf_hashes: tuple[bytes, ...] = ()
     #: The segment's format version (one of :data:`READABLE_VERSIONS`).
     version: int = FORMAT_VERSION
+    #: The events' Merkle subtree (full decodes only): give it to
+    #: :meth:`~protocol.merkle.CompactTree.extend`, which then reuses the nodes the root check made.
+    tree: Subtree | None = None
 
     @property
     def event_count(self) -> int:
@@ -264,6 +275,62 @@ def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[byte
     be made before their hashes are chained (:func:`chain_segments`). ValueError when the events
     could never decode (none, too many, unordered, out of bounds).
     """
+    data, tree = encode_body_tree(sequences, bodies)
+    return data, tree.leaves
+
+
+def encode_body_tree(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[bytes, Subtree]:
+    """:func:`encode_body`, with the events' :class:`~protocol.merkle.Subtree` instead of only their
+    leaf hashes, so a caller extending the stream's tree reuses the nodes the root was made of."""
+    lengths = _check_events(sequences, bodies)
+    tree = subtree(hash_leaves(bodies))
+    if _native is not None:
+        data = b"".join((_native.encode_frames(sequences, bodies), tree.root))
+    else:
+        # Whole-list steps (map over C callables) rather than a loop of statements: this runs once
+        # per archived event, and the interpreter's per-statement cost is most of it.
+        frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
+        parts: list[bytes] = [b""] * (2 * len(frames) + 1)
+        parts[0:-1:2] = frames
+        parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
+        parts[-1] = tree.root
+        data = b"".join(parts)
+    return data, tree
+
+
+def encode_chain(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
+                 segments: Sequence[tuple[Sequence[int], Sequence[bytes]]]) -> list[tuple[bytes, Subtree]]:
+    """Consecutive segments ``index``, ``index + 1``, ... from their (sequences, event bytes), each
+    linked to the one before (``previous_hash`` for the first), with each one's Merkle subtree:
+    what :func:`encode_body_tree` then :func:`chain_segments` make, at the current format version.
+
+    With the C extension, each segment is made in one buffer in one pass over its events (see
+    ``build_segment`` in ``protocol/_hashes.c``), instead of being joined from its parts twice and
+    read again for each hash. ValueError as those two raise it.
+    """
+    if _native is None:
+        made = [encode_body_tree(sequences, bodies) for sequences, bodies in segments]
+        datas = chain_segments(stream, lineage, index, previous_hash, [
+            SegmentBody(sequences[0], sequences[-1], len(sequences), body)
+            for (sequences, _), (body, _) in zip(segments, made)])
+        return [(data, tree) for data, (_, tree) in zip(datas, made)]
+    _check_chain(index, len(segments), previous_hash, FORMAT_VERSION)
+    out: list[tuple[bytes, Subtree]] = []
+    for i, (sequences, bodies) in enumerate(segments):
+        _check_events(sequences, bodies)
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, int(stream), 0, lineage.bytes, index + i, sequences[0],
+                              sequences[-1], len(sequences), previous_hash)
+        # One pass over the events: each is copied into its frame while its CRC32C, its leaf hash and
+        # the segment's SHA-256 are computed, then the subtree's levels and root.
+        data, levels, root = _native.build_segment(header, sequences, bodies)
+        previous_hash = data[-HASH_SIZE:]
+        out.append((data, Subtree(levels, root)))
+    return out
+
+
+def _check_events(sequences: Sequence[int], bodies: Sequence[bytes]) -> list[int]:
+    """The events' byte lengths; ValueError when they could never decode as one segment (none, too
+    many, unordered, out of bounds, too large)."""
     count = len(sequences)
     if not count or len(bodies) != count:
         raise ValueError("a segment holds at least one event, each with a sequence and its bytes")
@@ -274,18 +341,9 @@ def encode_body(sequences: Sequence[int], bodies: Sequence[bytes]) -> tuple[byte
     lengths = list(map(len, bodies))
     if max(lengths) > MAX_EVENT_BYTES:
         raise ValueError(f"an event is larger than {MAX_EVENT_BYTES} bytes")
-    # Whole-list steps (map over C callables) rather than a loop of statements: this runs once per
-    # archived event, and the interpreter's per-statement cost is most of it.
-    frames = list(map(bytes.__add__, map(_FRAME_HEAD.pack, lengths, sequences), bodies))
-    parts: list[bytes] = [b""] * (2 * count + 1)
-    parts[0:-1:2] = frames
-    parts[1:-1:2] = map(_CRC.pack, map(google_crc32c.value, frames))
-    leaves = [hashlib.sha256(LEAF_PREFIX + body).digest() for body in bodies]
-    parts[-1] = tree_root(leaves)
-    data = b"".join(parts)
-    if HEADER_SIZE + len(data) + HASH_SIZE > MAX_SEGMENT_BYTES:
+    if HEADER_SIZE + TRAILER_SIZE + FRAME_OVERHEAD * count + sum(lengths) > MAX_SEGMENT_BYTES:
         raise ValueError(f"a segment is at most {MAX_SEGMENT_BYTES} bytes")
-    return data, leaves
+    return lengths
 
 
 def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash: bytes,
@@ -295,14 +353,7 @@ def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash
 
     Only SHA-256 over large buffers, which releases the GIL: callers may run it in a thread.
     """
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
-    if not 0 <= index <= MAX_INDEX - len(bodies) + 1:
-        raise ValueError(f"segment index must be 0..{MAX_INDEX}")
-    if len(previous_hash) != HASH_SIZE:
-        raise ValueError("previous hash must be 32 bytes")
-    if (index == 0) != (previous_hash == GENESIS_HASH):
-        raise ValueError("segment 0, and only segment 0, links to the genesis hash")
+    _check_chain(index, len(bodies), previous_hash, version)
     out: list[bytes] = []
     for i, piece in enumerate(bodies):
         header = _HEADER.pack(MAGIC, version, int(stream), 0, lineage.bytes, index + i, piece.first_sequence,
@@ -312,6 +363,18 @@ def chain_segments(stream: Stream, lineage: uuid.UUID, index: int, previous_hash
         previous_hash = digest.digest()
         out.append(b"".join((header, piece.body, previous_hash)))
     return out
+
+
+def _check_chain(index: int, count: int, previous_hash: bytes, version: int) -> None:
+    """ValueError unless ``count`` segments from ``index`` linking to ``previous_hash`` could decode."""
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"format version must be one of {READABLE_VERSIONS}")
+    if not 0 <= index <= MAX_INDEX - count + 1:
+        raise ValueError(f"segment index must be 0..{MAX_INDEX}")
+    if len(previous_hash) != HASH_SIZE:
+        raise ValueError("previous hash must be 32 bytes")
+    if (index == 0) != (previous_hash == GENESIS_HASH):
+        raise ValueError("segment 0, and only segment 0, links to the genesis hash")
 
 
 def segment_hash(data: bytes) -> bytes:
@@ -335,25 +398,55 @@ def decode_segment(data: bytes, *, expected_previous_hash: bytes | None = None,
 
 def check_read_back(data: bytes, *, expected_hash: bytes, expected_previous_hash: bytes,
                     expected_lineage: uuid.UUID, expected_index: int, expected_stream: Stream,
-                    computed_hash: bytes | None = None) -> DecodedSegment:
-    """The archiver's check of a segment it wrote and read back: everything :func:`decode_segment`
-    checks except recomputing the Merkle root, plus that its hash is ``expected_hash``.
+                    computed_hash: bytes | None = None, written: bytes | None = None) -> DecodedSegment:
+    """The archiver's check of a segment it wrote and read back: the read-back bytes are re-hashed
+    (SHA-256 of ``data[:-32]``), which must equal both the trailer and ``expected_hash``, and the
+    header must name the expected lineage, index, stream and previous hash.
 
-    The root is skipped because it is covered: the SHA-256 checked here is over the root bytes too,
-    and ``expected_hash`` is the hash of the bytes the archiver encoded, whose root it computed from
-    these same frames. The frames and CRCs are still walked, so bytes that were only re-hashed
-    could not pass with a broken frame. The result has no events (``events`` and ``leaf_hashes``
-    are empty); its counts and range are the header's, checked against the frames.
+    ``written``: the bytes this process encoded and put for this segment, when it still holds them.
+    Then the read-back bytes must be identical to them, and that is the whole frame check: those
+    bytes are the encoder's output for the recorded decision (range, link, tree size), and identical
+    bytes have identical frames, CRCs and root; walking them again would only test the encoder
+    against itself. Without ``written`` (a segment written by an earlier run and read back after a
+    restart), every frame and CRC32C is walked as :func:`decode_segment` does, the Merkle root
+    apart: the SHA-256 covers the root bytes, and ``expected_hash`` is the hash of the bytes
+    encoded, whose root was computed from these same frames.
+
+    The result has no events (``events`` and ``leaf_hashes`` are empty); its counts and range are
+    the header's (checked against the frames when they are walked).
 
     ``computed_hash``: the SHA-256 of ``data[:-32]`` when the caller computed it already (e.g. in a
-    thread, beside this walk), so it is not computed twice.
+    thread, beside this check), so it is not computed twice.
     """
-    segment = _walk(data, False, computed_hash)
+    if written is None:
+        segment = _walk(data, False, computed_hash)
+    else:
+        if data != written:
+            at = next((i for i, (a, b) in enumerate(zip(data, written)) if a != b), min(len(data), len(written)))
+            raise HashMismatch(f"segment {expected_index} read back differs from the {len(written)} bytes written "
+                               f"({len(data)} bytes, first difference at byte {at})", offset=at)
+        segment = _header_only(data, computed_hash)
     if segment.hash != expected_hash:
         raise HashMismatch(f"segment {segment.index} read back hashes to {segment.hash.hex()}, "
                            f"{expected_hash.hex()} was written", offset=len(data) - HASH_SIZE)
     _expect(segment, expected_previous_hash, expected_lineage, expected_index, expected_stream)
     return segment
+
+
+def _header_only(data: bytes, computed_hash: bytes | None) -> DecodedSegment:
+    """The header of bytes identical to an encoder's output, with their SHA-256 recomputed: the
+    trailer's hash must match it (HashMismatch otherwise)."""
+    n = len(data)
+    if n < HEADER_SIZE + TRAILER_SIZE or data[:8] != MAGIC:
+        raise SegmentTruncated(f"{n} bytes is not a segment", offset=0)
+    (_magic, version, stream_code, _reserved, lineage_raw, index, first, last, _count,
+     previous_hash) = _HEADER.unpack_from(data, 0)
+    digest = bytes(data[n - HASH_SIZE:])
+    if (computed_hash or hashlib.sha256(memoryview(data)[:n - HASH_SIZE]).digest()) != digest:
+        raise HashMismatch("the trailer's SHA-256 is not the hash of the segment", offset=n - HASH_SIZE)
+    return DecodedSegment(Stream(stream_code), uuid.UUID(bytes=lineage_raw), index, first, last,
+                          bytes(previous_hash), (), bytes(data[n - TRAILER_SIZE:n - HASH_SIZE]), digest, n, (),
+                          version)
 
 
 def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> DecodedSegment:
@@ -390,9 +483,72 @@ def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> Decode
         raise MalformedHeader("segment 0, and only segment 0, links to the genesis hash", offset=56)
 
     frames_end = n - TRAILER_SIZE
+    sha256 = hashlib.sha256
+    # Two ways through the frames: the fast one proves them all sound with whole-list steps and
+    # returns None at the first doubt; the exact one, a frame at a time, then finds and names the
+    # first fault (or, had the fast one doubted wrongly, does the whole work itself).
+    fast = _frames_fast(data, frames_end, count, first, last, full)
+    if fast is not None:
+        sequences, bodies, leaves = fast
+        events = tuple(map(ArchivedEvent, sequences, bodies)) if full else ()
+    else:
+        events, leaves = _frames_exact(data, frames_end, count, first, last, full)
+    merkle_root = data[frames_end:frames_end + HASH_SIZE]
+    tree = subtree(leaves) if full else None
+    if tree is not None and tree.root != merkle_root:
+        raise MerkleRootMismatch("the trailer's Merkle root is not the root of these frames", offset=frames_end)
+    digest = data[n - HASH_SIZE:]
+    if (computed_hash or sha256(memoryview(data)[:n - HASH_SIZE]).digest()) != digest:
+        raise HashMismatch("the trailer's SHA-256 is not the hash of the segment", offset=n - HASH_SIZE)
+    return DecodedSegment(stream, uuid.UUID(bytes=lineage_raw), index, first, last, bytes(previous_hash),
+                          events, merkle_root, digest, n, tuple(leaves), version, tree)
+
+
+def _frames_fast(data: bytes, frames_end: int, count: int, first: int, last: int,
+                 full: bool) -> tuple[list[int], list[bytes], list[bytes]] | None:
+    """Every frame's sequence and (``full``) event bytes and leaf hashes when the frames are
+    exactly ``count`` well-formed frames from ``first`` to ``last`` in strictly increasing order
+    with good CRC32Cs; None at the first doubt, without saying which (:func:`_frames_exact` does)."""
+    if _native is not None:
+        scanned = _native.scan_frames(data, HEADER_SIZE, frames_end, count, MAX_EVENT_BYTES, full)
+        if scanned is None or scanned[0][0] != first or scanned[0][-1] != last:
+            return None
+        return scanned
+    unpack_head, head_size = _FRAME_HEAD.unpack_from, _FRAME_HEAD.size
+    starts: list[int] = []
+    sequences: list[int] = []
+    crc_ats: list[int] = []
+    pos = HEADER_SIZE
+    # Only what finding the next frame needs, per frame; everything else below in whole-list steps.
+    for _ in range(count):
+        if pos >= frames_end:
+            return None
+        length, sequence = unpack_head(data, pos)  # pos < frames_end: the trailer keeps 12 bytes in range
+        starts.append(pos)
+        sequences.append(sequence)
+        pos += head_size + length
+        crc_ats.append(pos)
+        pos += 4
+    if pos != frames_end or sequences[0] != first or sequences[-1] != last:
+        return None
+    if max(map(int.__sub__, crc_ats, starts)) > head_size + MAX_EVENT_BYTES:
+        return None
+    if not all(map(int.__lt__, sequences, itertools.islice(sequences, 1, None))):
+        return None
+    frames = list(map(data.__getitem__, map(slice, starts, crc_ats)))
+    # unpack_from gives 1-tuples, and so does zip() of one list.
+    if list(map(_CRC.unpack_from, itertools.repeat(data), crc_ats)) != list(zip(map(google_crc32c.value, frames))):
+        return None
+    bodies = list(map(data.__getitem__, map(slice, map(head_size.__add__, starts), crc_ats))) if full else []
+    return sequences, bodies, hash_leaves(bodies)
+
+
+def _frames_exact(data: bytes, frames_end: int, count: int, first: int, last: int,
+                  full: bool) -> tuple[tuple[ArchivedEvent, ...], list[bytes]]:
+    """The events and leaf hashes (``full``), a frame at a time; the ArchiveFormatError of the
+    first fault."""
     events: list[ArchivedEvent] = []
     leaves: list[bytes] = []
-    # Bound locally: this loop runs once per event of every segment read.
     sha256, crc32c, unpack_head, unpack_crc = hashlib.sha256, google_crc32c.value, _FRAME_HEAD.unpack_from, \
         _CRC.unpack_from
     head_size = _FRAME_HEAD.size
@@ -430,14 +586,7 @@ def _walk(data: bytes, full: bool, computed_hash: bytes | None = None) -> Decode
     if first_sequence != first or previous_sequence != last:
         raise RangeMismatch(f"the header says {first}..{last}, the frames hold "
                             f"{first_sequence}..{previous_sequence}", offset=36)
-    merkle_root = data[frames_end:frames_end + HASH_SIZE]
-    if full and tree_root(leaves) != merkle_root:
-        raise MerkleRootMismatch("the trailer's Merkle root is not the root of these frames", offset=frames_end)
-    digest = data[n - HASH_SIZE:]
-    if (computed_hash or sha256(memoryview(data)[:n - HASH_SIZE]).digest()) != digest:
-        raise HashMismatch("the trailer's SHA-256 is not the hash of the segment", offset=n - HASH_SIZE)
-    return DecodedSegment(stream, uuid.UUID(bytes=lineage_raw), index, first, last, bytes(previous_hash),
-                          tuple(events), merkle_root, digest, n, tuple(leaves), version)
+    return tuple(events), leaves
 
 
 def _expect(segment: DecodedSegment, previous_hash: bytes | None, lineage: uuid.UUID | None,

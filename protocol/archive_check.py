@@ -121,7 +121,7 @@ class ChainChecker:
                                          index=entry.index))
             return None
         if self.tree_complete:
-            self.tree.extend(segment.leaf_hashes)
+            self.tree.extend(segment.tree or segment.leaf_hashes)
         return segment
 
     def check_checkpoint(self, checkpoint: Checkpoint) -> None:

@@ -15,10 +15,13 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from actors.archiver import Archiver, SealPolicy, active_archiver, application_name
+from actors.archiver import Archiver, SealPolicy, active_archiver, application_name, seal_cuts
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore, CreateOnlyIgnored
+from protocol import archive as fmt
 from protocol.archive import (
     GENESIS_HASH,
     ArchivedEvent,
@@ -333,3 +336,28 @@ async def test_a_fork_alarm_stops_the_archiver_loudly(stack: Stack, tmp_path: Pa
     assert isinstance(error, ForkAlarm)
     assert [s["state"] for s in await segments(stack)] == ["sealed"]
     assert await store.get(key) == b"another history's segment"
+
+
+def _cuts_event_by_event(lengths: list[int], policy: SealPolicy) -> tuple[list[tuple[int, int, str]], int]:
+    """The sealing rules applied one event at a time: the reference seal_cuts must agree with."""
+    empty = fmt.HEADER_SIZE + fmt.TRAILER_SIZE
+    cuts: list[tuple[int, int, str]] = []
+    start, size = 0, empty
+    for i, length in enumerate(lengths):
+        grown = size + fmt.FRAME_OVERHEAD + length
+        if i > start and grown > policy.bytes:
+            cuts.append((start, i, "bytes"))
+            start, grown = i, empty + fmt.FRAME_OVERHEAD + length
+        size = grown
+        if i + 1 - start == policy.events:
+            cuts.append((start, i + 1, "events"))
+            start, size = i + 1, empty
+    return cuts, start
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 10, 50, 100, 400, 2000]), max_size=60), st.sampled_from([1, 2, 3, 5, 500]),
+       st.sampled_from([200, 300, 1000, 5000, 4 << 20]))
+def test_seal_cuts_are_the_rules_applied_event_by_event(lengths: list[int], events: int, size: int) -> None:
+    policy = SealPolicy(events=events, bytes=size)
+    assert seal_cuts(lengths, policy) == _cuts_event_by_event(lengths, policy)

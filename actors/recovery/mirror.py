@@ -313,7 +313,7 @@ class Mirror:
                     raise MirrorError(f"{key} is refused: {e.kind}: {e}") from None
                 if ManifestSegment.of(segment) != entry:
                     raise MirrorError(f"{key} is not the segment the manifest lists")
-                tree.extend(segment.leaf_hashes)
+                tree.extend(segment.tree or segment.leaf_hashes)
                 await self._apply_archived(conn, loader, state.applied_through,
                                            [(e.sequence, e.body) for e in segment.events])
                 previous = segment.hash

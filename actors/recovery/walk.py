@@ -436,6 +436,6 @@ class PrivateWalk:
             previous = segment.hash
             self.segments_checked += 1
             self.records_checked += segment.event_count
-            tree.extend(segment.leaf_hashes)
+            tree.extend(segment.tree or segment.leaf_hashes)
             yield segment
         self._root = tree.root()
