@@ -58,6 +58,26 @@ static void inputs_free(Inputs *in) {
     in->sizes = NULL;
 }
 
+/* The events' sequences (a fast sequence as long as ``in``) as unsigned 64-bit numbers, each and
+   its event's length checked against the frame's fields, adding the bytes their frames take to
+   ``*total``; -1 with an exception set on the first that does not fit. */
+static int frame_numbers(PyObject *seqs, const Inputs *in, uint64_t *numbers, Py_ssize_t *total) {
+    for (Py_ssize_t i = 0; i < in->count; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (v < 0 || in->sizes[i] > 0xffffffffLL) {
+            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
+            return -1;
+        }
+        numbers[i] = (uint64_t)v;
+        *total += 16 + in->sizes[i];
+    }
+    return 0;
+}
+
+
 /* Fill `in` from `seq`; every item must be bytes (of `exact` bytes when exact >= 0). */
 static int inputs_take(PyObject *seq, Inputs *in, Py_ssize_t exact, const char *what) {
     PyObject *fast = PySequence_Fast(seq, "expected a list or tuple of bytes");
@@ -294,17 +314,8 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         goto done;
     }
     Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < in.count; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
-        if (v == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (v < 0 || in.sizes[i] > 0xffffffffLL) {
-            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
-            goto done;
-        }
-        numbers[i] = (uint64_t)v;
-        total += 16 + in.sizes[i];
+    if (frame_numbers(seqs, &in, numbers, &total) < 0) {
+        goto done;
     }
     out = PyBytes_FromStringAndSize(NULL, total);
     if (out == NULL) {
@@ -369,17 +380,8 @@ static PyObject *build_segment(PyObject *Py_UNUSED(module), PyObject *const *arg
         goto done;
     }
     Py_ssize_t total = header_size + 2 * HASH_SIZE;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
-        if (v == -1 && PyErr_Occurred()) {
-            goto done;
-        }
-        if (v < 0 || in.sizes[i] > 0xffffffffLL) {
-            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
-            goto done;
-        }
-        numbers[i] = (uint64_t)v;
-        total += 16 + in.sizes[i];
+    if (frame_numbers(seqs, &in, numbers, &total) < 0) {
+        goto done;
     }
     out = PyBytes_FromStringAndSize(NULL, total);
     if (out == NULL) {

@@ -111,23 +111,10 @@ def test_native_and_pure_python_make_and_read_the_same_segments(history: list[li
 def test_every_byte_flip_gets_the_same_typed_error_either_way(mode: str, request: pytest.FixtureRequest) -> None:
     events = [ArchivedEvent(5 + i, b"event %d" % i) for i in range(4)]
     data = encode_segment(Stream.PUBLIC, LINEAGE, 0, GENESIS_HASH, events)
-    kinds = []
-    for at in range(len(data)):
-        broken = bytearray(data)
-        broken[at] ^= 0x10
-        with pytest.raises(ArchiveFormatError) as caught:
-            decode_segment(bytes(broken))
-        kinds.append((caught.value.kind, caught.value.offset))
+    kinds = _flip_errors(data)
     if mode == "pure":
         request.getfixturevalue("pure")
-        again = []
-        for at in range(len(data)):
-            broken = bytearray(data)
-            broken[at] ^= 0x10
-            with pytest.raises(ArchiveFormatError) as caught:
-                decode_segment(bytes(broken))
-            again.append((caught.value.kind, caught.value.offset))
-        assert again == kinds
+        assert _flip_errors(data) == kinds
     assert "crc_mismatch" in {k for k, _ in kinds}
 
 
@@ -159,7 +146,8 @@ def test_the_read_back_check_against_the_written_bytes() -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=8))
 def test_a_subtree_extends_the_tree_as_its_leaves_do(sizes: list[int]) -> None:
-    plain, reused, leaves = CompactTree(), CompactTree(), []
+    plain, reused = CompactTree(), CompactTree()
+    leaves: list[bytes] = []
     for n in sizes:
         batch = [hashlib.sha256(b"%d" % (len(leaves) + i)).digest() for i in range(n)]
         leaves += batch
@@ -193,3 +181,15 @@ def test_encode_chain_is_encode_segment_linked_either_way(history: list[list[Arc
         fmt._native, merkle._native = saved
     with pytest.raises(ValueError):
         fmt.encode_chain(Stream.PRIVATE, LINEAGE, start + 1, GENESIS_HASH, segments)  # genesis link on a later one
+
+
+def _flip_errors(data: bytes) -> list[tuple[str, int | None]]:
+    """The (kind, offset) that decoding reports for ``data`` with each byte flipped in turn."""
+    kinds = []
+    for at in range(len(data)):
+        broken = bytearray(data)
+        broken[at] ^= 0x10
+        with pytest.raises(ArchiveFormatError) as caught:
+            decode_segment(bytes(broken))
+        kinds.append((caught.value.kind, caught.value.offset))
+    return kinds
