@@ -58,25 +58,6 @@ static void inputs_free(Inputs *in) {
     in->sizes = NULL;
 }
 
-/* The events' sequences (a fast sequence as long as ``in``) as unsigned 64-bit numbers, each and
-   its event's length checked against the frame's fields, adding the bytes their frames take to
-   ``*total``; -1 with an exception set on the first that does not fit. */
-static int frame_numbers(PyObject *seqs, const Inputs *in, uint64_t *numbers, Py_ssize_t *total) {
-    for (Py_ssize_t i = 0; i < in->count; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
-        if (v == -1 && PyErr_Occurred()) {
-            return -1;
-        }
-        if (v < 0 || in->sizes[i] > 0xffffffffLL) {
-            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
-            return -1;
-        }
-        numbers[i] = (uint64_t)v;
-        *total += 16 + in->sizes[i];
-    }
-    return 0;
-}
-
 
 /* Fill `in` from `seq`; every item must be bytes (of `exact` bytes when exact >= 0). */
 static int inputs_take(PyObject *seq, Inputs *in, Py_ssize_t exact, const char *what) {
@@ -118,6 +99,40 @@ static int inputs_take(PyObject *seq, Inputs *in, Py_ssize_t exact, const char *
     Py_DECREF(fast);
     return 0;
 }
+
+/* A call's event bytes (``bodies``) and their sequences, as Inputs and a fast sequence the caller
+   releases; -1 with an exception set, and nothing held, when either is not what it must be. */
+static int events_take(PyObject *bodies, PyObject *sequences, Inputs *in, PyObject **seqs) {
+    if (inputs_take(bodies, in, -1, "event bytes") < 0) {
+        return -1;
+    }
+    *seqs = PySequence_Fast(sequences, "expected a list or tuple of sequences");
+    if (*seqs == NULL) {
+        inputs_free(in);
+        return -1;
+    }
+    return 0;
+}
+
+/* The events' sequences (a fast sequence as long as ``in``) as unsigned 64-bit numbers, each and
+   its event's length checked against the frame's fields, adding the bytes their frames take to
+   ``*total``; -1 with an exception set on the first that does not fit. */
+static int frame_numbers(PyObject *seqs, const Inputs *in, uint64_t *numbers, Py_ssize_t *total) {
+    for (Py_ssize_t i = 0; i < in->count; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seqs, i));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (v < 0 || in->sizes[i] > 0xffffffffLL) {
+            PyErr_SetString(PyExc_ValueError, "a sequence or an event length is out of bounds");
+            return -1;
+        }
+        numbers[i] = (uint64_t)v;
+        *total += 16 + in->sizes[i];
+    }
+    return 0;
+}
+
 
 /* A list of `count` new 32-byte bytes objects cut from `digests`. */
 static PyObject *digest_list(const unsigned char *digests, Py_ssize_t count) {
@@ -294,12 +309,8 @@ static PyObject *encode_frames(PyObject *Py_UNUSED(module), PyObject *const *arg
         return NULL;
     }
     Inputs in = {0};
-    if (inputs_take(args[1], &in, -1, "event bytes") < 0) {
-        return NULL;
-    }
-    PyObject *seqs = PySequence_Fast(args[0], "expected a list or tuple of sequences");
-    if (seqs == NULL) {
-        inputs_free(&in);
+    PyObject *seqs = NULL;
+    if (events_take(args[1], args[0], &in, &seqs) < 0) {
         return NULL;
     }
     PyObject *out = NULL;
@@ -356,12 +367,8 @@ static PyObject *build_segment(PyObject *Py_UNUSED(module), PyObject *const *arg
     const char *header = PyBytes_AS_STRING(args[0]);
     Py_ssize_t header_size = PyBytes_GET_SIZE(args[0]);
     Inputs in = {0};
-    if (inputs_take(args[2], &in, -1, "event bytes") < 0) {
-        return NULL;
-    }
-    PyObject *seqs = PySequence_Fast(args[1], "expected a list or tuple of sequences");
-    if (seqs == NULL) {
-        inputs_free(&in);
+    PyObject *seqs = NULL;
+    if (events_take(args[2], args[1], &in, &seqs) < 0) {
         return NULL;
     }
     PyObject *out = NULL, *result = NULL, *levels = NULL;
