@@ -106,6 +106,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+async def only_lineage(store: ArchiveStore) -> uuid.UUID | None:
+    """The one lineage ``store`` archives, None when it holds none; ConfigError when it holds several
+    (the commands that read one then need ``--lineage``)."""
+    from actors.recovery.walk import archived_lineages
+
+    found = await archived_lineages(store)
+    if len(found) > 1:
+        raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
+                          "choose one with --lineage")
+    return found[0] if found else None
+
+
 def _lineage(text: str) -> uuid.UUID:
     try:
         return uuid.UUID(text)
@@ -119,7 +131,7 @@ def _lineage(text: str) -> uuid.UUID:
 def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
     """Check the archive against itself and the database; print a JSON report; exit 1 on any discrepancy."""
     from actors.recovery.verify import verify_archive
-    from actors.recovery.walk import StoreSource, archived_lineages
+    from actors.recovery.walk import StoreSource
     from infra.db import read_identity
     from toastmachine.node import open_database
 
@@ -137,11 +149,7 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
             identity = await read_identity(db)
             if identity is not None:
                 return identity.lineage
-        found = await archived_lineages(store)
-        if len(found) > 1:
-            raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
-                              "choose one with --lineage")
-        return found[0] if found else None
+        return await only_lineage(store)
 
     async def go() -> dict[str, Any]:
         if args.no_database:
@@ -171,23 +179,17 @@ def _nothing(source: str, message: str = "no archived lineage in the store") -> 
 def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
     """Restore an archive into an EMPTY database under a fresh lineage (verified before anything is written)."""
     from actors.recovery.restore import RestoreRefused, restore_archive
-    from actors.recovery.walk import StoreSource, archived_lineages
+    from actors.recovery.walk import StoreSource
     from toastmachine.node import open_database
 
     store = open_store(settings, args.source)
     trusted = pinned_key(args.public_key) or operator_key(settings)
 
     async def go() -> dict[str, Any]:
-        lineage = args.lineage
+        lineage = args.lineage or await only_lineage(store)
         if lineage is None:
-            found = await archived_lineages(store)
-            if not found:
-                raise ConfigError(f"--from {args.source}: no archive there ({store.description} holds no "
-                                  "lineage with a manifest.json)")
-            if len(found) != 1:
-                raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
-                                  "choose one with --lineage")
-            lineage = found[0]
+            raise ConfigError(f"--from {args.source}: no archive there ({store.description} holds no "
+                              "lineage with a manifest.json)")
         async with open_database(settings) as (db, _embedded, _label):
             report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
                                            new_lineage=args.new_lineage or settings.lineage,
@@ -282,7 +284,7 @@ async def _mirror_source(settings: Settings, session: Any, args: argparse.Namesp
                          node_url: str | None) -> tuple[Any, uuid.UUID]:
     """The archive source the mirror reads (the node's routes, or a store) and the lineage it copies."""
     from actors.recovery.mirror import NodeArchiveSource
-    from actors.recovery.walk import StoreSource, archived_lineages
+    from actors.recovery.walk import StoreSource
 
     source: Any
     if node_url is not None and args.archive is None:
@@ -294,12 +296,10 @@ async def _mirror_source(settings: Settings, session: Any, args: argparse.Namesp
         return source, args.lineage
     if node_url is not None:
         return source, await NodeArchiveSource(session, node_url).lineage()
-    found = await archived_lineages(source.store)
-    if not found:
+    lineage = await only_lineage(source.store)
+    if lineage is None:
         raise ConfigError(f"no archive in {source.store.description} (no lineage with a manifest.json)")
-    if len(found) != 1:
-        raise ConfigError(f"the store holds {len(found)} lineages: choose one with --lineage")
-    return source, found[0]
+    return source, lineage
 
 
 def add_commands(sub: Any) -> None:
