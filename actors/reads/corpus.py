@@ -34,13 +34,14 @@ CORPUS_INFO_SQL = (
     " from counts")
 
 
-#: A restored history's provenance (migration 0008): written once with the witness, never changed.
-PROVENANCE_SQL = ("select parent_lineage, checkpoint_size, encode(checkpoint_root, 'hex') as checkpoint_root,"
-                  " restored_through, restored_at from corpus_provenance")
-
-
-#: A mirror's source and progress (migration 0008), when this database is a mirror's.
-MIRROR_SQL = "select source, verified_through, applied_through, updated_at from corpus_mirror"
+#: Where this history comes from, in one round trip (migration 0008, both tables at most one row):
+#: a restored history's provenance (written once with the witness, never changed) and a mirror's
+#: source and progress; each column null when its row is absent.
+ORIGIN_SQL = ("select p.parent_lineage, p.checkpoint_size, encode(p.checkpoint_root, 'hex') as checkpoint_root,"
+              " p.restored_through, p.restored_at, m.source as mirror_source,"
+              " m.verified_through as mirror_verified_through, m.applied_through as mirror_applied_through,"
+              " m.updated_at as mirror_updated_at"
+              " from (values (1)) as one left join corpus_provenance p on true left join corpus_mirror m on true")
 
 
 async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> dict[str, Any]:
@@ -55,17 +56,16 @@ async def corpus_info_body(pool: asyncpg.Pool, corpus_id: str, lineage: str) -> 
         "archive": {"archived_through": row["archived_through"] or 0, "verified_through": row["verified_through"] or 0},
         "links": {"changes": CHANGES_PATH, "snapshot": SNAPSHOT_PATH, "stream": STREAM_PATH, "archive": ARCHIVE_PATH},
     }
-    provenance = await pool.fetchrow(PROVENANCE_SQL)
-    if provenance is not None:
+    origin = await pool.fetchrow(ORIGIN_SQL)
+    if origin["parent_lineage"] is not None:  # not null in its table: the row is there
         body["provenance"] = {
-            "parent_lineage": str(provenance["parent_lineage"]), "checkpoint_size": provenance["checkpoint_size"],
-            "checkpoint_root": provenance["checkpoint_root"], "restored_through": provenance["restored_through"],
-            "restored_at": rep.format_time(provenance["restored_at"])}
-    mirror = await pool.fetchrow(MIRROR_SQL)
-    if mirror is not None:
-        body["mirror"] = {"source": mirror["source"], "verified_through": mirror["verified_through"],
-                          "applied_through": mirror["applied_through"],
-                          "updated_at": rep.format_time(mirror["updated_at"])}
+            "parent_lineage": str(origin["parent_lineage"]), "checkpoint_size": origin["checkpoint_size"],
+            "checkpoint_root": origin["checkpoint_root"], "restored_through": origin["restored_through"],
+            "restored_at": rep.format_time(origin["restored_at"])}
+    if origin["mirror_source"] is not None:  # not null in its table
+        body["mirror"] = {"source": origin["mirror_source"], "verified_through": origin["mirror_verified_through"],
+                          "applied_through": origin["mirror_applied_through"],
+                          "updated_at": rep.format_time(origin["mirror_updated_at"])}
     return body
 
 
