@@ -5,6 +5,10 @@
  * and the archiver and every verifier make two or three such digests per archived event. Here one
  * call hashes a whole list (and large lists are hashed without the GIL: see RELEASE_GIL_ABOVE).
  *
+ * It also parses the archiver's batch reads (copy_rows: PostgreSQL binary COPY rows of a sequence and
+ * an event's bytes; infra/db/copy_rows.py), where one asyncpg Record per event cost more than the
+ * bytes themselves.
+ *
  * Both functions compute exactly what protocol/merkle.py's pure-Python fallbacks compute (the tests
  * compare them on random inputs): leaf_hashes(b) == [sha256(b"\x00" + x).digest() for x in b],
  * node_hashes(l) == [sha256(b"\x01" + l[i] + l[i + 1]).digest() for i in range(0, len(l) - 1, 2)].
@@ -603,6 +607,102 @@ done:
     return result;
 }
 
+/* --- PostgreSQL binary COPY rows of (bigint, text-or-bytea): the archiver's batch read --- */
+
+PyDoc_STRVAR(copy_rows_doc,
+             "copy_rows(data, /)\n--\n\n"
+             "(sequences, bodies) of a whole PostgreSQL binary COPY output whose rows are (bigint, text or\n"
+             "bytea), neither NULL: the signature, flags and header extension, then each row's field count\n"
+             "(2), a 4-byte length and 8-byte big-endian integer, a 4-byte length and that many bytes, then\n"
+             "the trailer (-1) and nothing after it. ValueError naming the first thing that is not so.");
+
+static PyObject *copy_rows(PyObject *Py_UNUSED(module), PyObject *arg) {
+    static const unsigned char signature[11] = {'P', 'G', 'C', 'O', 'P', 'Y', '\n', 0xff, '\r', '\n', 0};
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *data = view.buf;
+    Py_ssize_t n = view.len, pos = 19;
+    PyObject *sequences = NULL, *bodies = NULL, *result = NULL;
+    const char *fault = NULL;
+    if (n < 19 || memcmp(data, signature, 11) != 0) {
+        fault = "not a binary COPY output (no signature)";
+        goto done;
+    }
+    if (get_be32(data + 11) & 0xffff0000u) {
+        fault = "binary COPY output with unknown critical flags";
+        goto done;
+    }
+    uint32_t extension = get_be32(data + 15);
+    if (extension > (uint64_t)(n - pos)) {
+        fault = "binary COPY header extension past the end";
+        goto done;
+    }
+    pos += (Py_ssize_t)extension;
+    sequences = PyList_New(0);
+    bodies = PyList_New(0);
+    if (sequences == NULL || bodies == NULL) {
+        goto done;
+    }
+    for (;;) {
+        if (n - pos < 2) {
+            fault = "binary COPY output ends without its trailer";
+            goto done;
+        }
+        int16_t fields = (int16_t)((data[pos] << 8) | data[pos + 1]);
+        pos += 2;
+        if (fields == -1) {
+            break;
+        }
+        if (fields != 2) {
+            fault = "binary COPY row without exactly two fields";
+            goto done;
+        }
+        if (n - pos < 16 || get_be32(data + pos) != 8) {
+            fault = "binary COPY row whose first field is not an 8-byte integer";
+            goto done;
+        }
+        int64_t number = (int64_t)get_be64(data + pos + 4);
+        uint32_t length = get_be32(data + pos + 12);
+        pos += 16;
+        if (length == 0xffffffffu) {
+            fault = "binary COPY row whose second field is NULL";
+            goto done;
+        }
+        if (length > (uint64_t)(n - pos)) {
+            fault = "binary COPY row whose second field runs past the end";
+            goto done;
+        }
+        PyObject *item = PyLong_FromLongLong(number);
+        if (item == NULL || PyList_Append(sequences, item) < 0) {
+            Py_XDECREF(item);
+            goto done;
+        }
+        Py_DECREF(item);
+        item = PyBytes_FromStringAndSize((const char *)data + pos, (Py_ssize_t)length);
+        if (item == NULL || PyList_Append(bodies, item) < 0) {
+            Py_XDECREF(item);
+            goto done;
+        }
+        Py_DECREF(item);
+        pos += (Py_ssize_t)length;
+    }
+    if (pos != n) {
+        fault = "bytes after the binary COPY trailer";
+        goto done;
+    }
+    result = PyTuple_Pack(2, sequences, bodies);
+done:
+    if (fault != NULL) {
+        PyErr_SetString(PyExc_ValueError, fault);
+    }
+    Py_XDECREF(sequences);
+    Py_XDECREF(bodies);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 PyDoc_STRVAR(crc32c_doc, "crc32c(data, /)\n--\n\nThe CRC32C of `data` (what google_crc32c.value gives).");
 
 static PyObject *crc32c_value(PyObject *Py_UNUSED(module), PyObject *arg) {
@@ -622,6 +722,7 @@ static PyMethodDef methods[] = {
     {"build_segment", (PyCFunction)(void (*)(void))build_segment, METH_FASTCALL, build_segment_doc},
     {"scan_frames", (PyCFunction)(void (*)(void))scan_frames, METH_FASTCALL, scan_frames_doc},
     {"crc32c", crc32c_value, METH_O, crc32c_doc},
+    {"copy_rows", copy_rows, METH_O, copy_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

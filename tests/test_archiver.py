@@ -18,7 +18,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.archiver import Archiver, SealPolicy, active_archiver, application_name, seal_cuts
+from actors.archiver import (
+    FIRST_BATCH_SEGMENTS,
+    Archiver,
+    SealPolicy,
+    active_archiver,
+    application_name,
+    seal_cuts,
+)
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore, CreateOnlyIgnored
 from protocol import archive as fmt
@@ -155,6 +162,24 @@ async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpo
     # (none of size 3). It is kept beside the newer one, which extends it.
     assert verify_checkpoint(await store.get(checkpoint_key(lineage, 6)), verifier).root == roots[6]
     assert await store.head(checkpoint_key(lineage, 3)) is None
+
+
+async def test_a_backlog_is_caught_up_in_batches_that_double_from_two_segments(stack: Stack, tmp_path: Path) -> None:
+    """A cold start behind: the first batch is FIRST_BATCH_SEGMENTS segments, each one after it twice
+    the one before (up to the batch limit), and each batch is published under its own checkpoint."""
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 45)  # 15 segments of 3 events
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600)):
+        segs = await published(stack, 15)
+    assert [s["event_count"] for s in segs] == [3] * 15
+    assert [s["last_sequence"] for s in segs] == sequences[2::3]
+    sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
+        "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
+    # Batches of 2, 4 and 8 segments (6, 12 and 24 events), then the one segment left.
+    assert FIRST_BATCH_SEGMENTS == 2
+    assert sizes == [6, 18, 42, 45]
+    for size in sizes:
+        assert await store.head(checkpoint_key(stack.identity.lineage, size)) is not None
 
 
 async def test_a_segment_seals_when_the_next_event_would_pass_the_byte_limit(stack: Stack, tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""``infra.db.copy_rows``: the archiver's batch reads through binary COPY give exactly the rows a
+plain query gives, with the C parser and the pure-Python one alike; output that is not whole
+(cut short, a byte too many, a NULL, a wrong field count) is refused by both with the same
+ValueError."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+
+from infra.db import copy_rows as rows_module
+from infra.db.copy_rows import copy_rows, parse_copy_rows
+
+#: Texts a history can hold: ASCII, multi-byte UTF-8, a long one, escapes, the empty string.
+TEXTS = ["{}", '{"content": "hello"}', "é€😀 " * 40, "x" * 70_000, '{"a": "\\n\\t\\"', ""]
+
+
+@pytest.fixture
+async def conn(database_dsn: str) -> asyncpg.Connection:
+    connection = await asyncpg.connect(database_dsn)
+    await connection.execute("create table history (sequence bigint primary key, event text not null, "
+                             "body bytea, maybe text)")
+    await connection.executemany("insert into history values ($1, $2, $3, $4)", [
+        (n, text, text.encode() + b"\x00\xff", None if n % 2 else text)
+        for n, text in zip((1, 2, 7, 2**40, 2**62, 9_007_199_254_740_991), TEXTS, strict=True)])
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+async def copy_output(conn: asyncpg.Connection, query: str) -> bytes:
+    chunks: list[bytes] = []
+
+    async def sink(chunk: bytes) -> None:
+        chunks.append(chunk)
+
+    await conn.copy_from_query(query, output=sink, format="binary")
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("column", ["event", "body"])
+async def test_binary_copy_gives_the_rows_a_query_gives(conn: asyncpg.Connection, column: str) -> None:
+    query = f"select sequence, {column} from history order by sequence"
+    expected = [(r[0], r[1].encode() if isinstance(r[1], str) else r[1]) for r in await conn.fetch(query)]
+    sequences, bodies = await copy_rows(conn, query)
+    assert list(zip(sequences, bodies, strict=True)) == expected
+    data = await copy_output(conn, query)
+    assert rows_module._parse_python(data) == parse_copy_rows(data) == (sequences, bodies)
+    assert rows_module._native is not None  # the C parser is the one the archiver runs here
+
+
+async def test_no_rows_is_two_empty_lists(conn: asyncpg.Connection) -> None:
+    assert await copy_rows(conn, "select sequence, event from history where sequence < 0") == ([], [])
+
+
+def refusals(data: bytes) -> tuple[str, str]:
+    """The ValueError text of both parsers for ``data``."""
+    assert rows_module._native is not None
+    texts = []
+    for parse in (rows_module._native.copy_rows, rows_module._parse_python):
+        with pytest.raises(ValueError) as caught:
+            parse(data)
+        texts.append(str(caught.value))
+    return texts[0], texts[1]
+
+
+async def test_output_that_is_not_whole_is_refused_alike(conn: asyncpg.Connection) -> None:
+    data = await copy_output(conn, "select sequence, event from history where sequence < 100 order by sequence")
+    for cut in range(len(data)):  # every prefix: cut short anywhere
+        native, python = refusals(data[:cut])
+        assert native == python
+    assert refusals(data + b"\x00") == ("bytes after the binary COPY trailer",) * 2
+    assert refusals(b"PGCOPY\n\xff\r\n\x01" + data[11:])[0] == "not a binary COPY output (no signature)"
+    three = await copy_output(conn, "select sequence, event, event from history order by sequence")
+    assert refusals(three) == ("binary COPY row without exactly two fields",) * 2
+    nulls = await copy_output(conn, "select sequence, maybe from history order by sequence")
+    assert refusals(nulls) == ("binary COPY row whose second field is NULL",) * 2
+    narrow = await copy_output(conn, "select sequence::integer, event from history where sequence < 100")
+    assert refusals(narrow) == ("binary COPY row whose first field is not an 8-byte integer",) * 2
