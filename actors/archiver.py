@@ -41,9 +41,12 @@ at once; behind, the checkpoints are fewer (each still extends the last).
    private: ``private/checkpoints/<size>``, with the extension line ``private``), put the public key
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
 
-While behind, the next batch's rows are read ahead on a pool connection (the first one while the
-store is probed) and encoded ahead once the batch before is (:class:`_Ahead`), and encoding and the
-read-back check run in a worker thread (hashing whole segments and lists of events releases the GIL).
+While behind, the batches after the one being sealed are read ahead on a pool connection (the
+first one while the store is probed) and encoded ahead (:class:`actors.archive_ahead.ReadAhead`):
+the next one is encoded while the one after it is read, as the current one is put, read back and
+published. Batches start at :data:`FIRST_BATCH_SEGMENTS` segments after each activation and double
+up to ``batch_segments``. Encoding and the read-back check run in a worker thread (hashing whole
+segments and lists of events releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
@@ -51,8 +54,9 @@ activation it probes the store and refuses (crashes with :class:`~infra.archive_
 one that ignores create-only writes. A store that is unreachable is retried with a back-off; nothing
 is marked verified without a successful read-back, and sealing stops until the backlog drains.
 
-Memory: two batches' rows and bytes at most (the current one and the one read ahead; each at most
-``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event, encoded once more), plus the manifest.
+Memory: three batches' rows at most (the current one, the next one and the one after it; each at
+most ``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event), two of them encoded once more, plus
+the manifest.
 
 Emits: archive objects and the manifest; the watermarks in ``archive_watermarks``.
 """
@@ -71,6 +75,7 @@ from typing import Any, TypeVar, cast
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
+from actors.archive_ahead import Limits, ReadAhead, Rows, Start
 from infra.archive_store import ArchiveStore, ArchiveStoreError, CreateOnlyIgnored, ForkAlarm, ObjectNotFound
 from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.db import CorpusIdentity, Database
@@ -317,34 +322,13 @@ class _Encoded:
         return self.data[-2 * HASH_SIZE:-HASH_SIZE]
 
 
-@dataclass(slots=True)
-class _Ahead:
-    """The next batch of a stream, read ahead and, once the batch before it is encoded, cut and
-    encoded ahead: a cache of what :meth:`Archiver._seal` computes, keyed by its inputs."""
-
-    #: The sequence the batch starts after.
-    after: int
-    #: The events and event bytes the batch was read with at most (see :meth:`Archiver._batch_limits`).
-    limits: tuple[int, int]
-    rows: asyncio.Future[tuple[list[int], list[bytes]]]
-    #: (index, previous hash, tree size) the encoding started from, and its task: the cuts it made
-    #: (by the events and bytes rules; the age rule needs the database) and the segments.
-    encoded: tuple[tuple[int, bytes, int], asyncio.Future[tuple[list[tuple[int, int, str]], list[_Encoded]]]] | None = None
-
-    def cancel(self) -> None:
-        self.rows.cancel()
-        if self.encoded is not None:
-            self.encoded[1].cancel()
-
-
-F = TypeVar("F", bound=asyncio.Future[Any])
-
-
-def _quiet(future: F) -> F:
-    """``future``, its failure marked as seen: work done ahead may fail or be dropped unawaited, and
-    whoever needs it does the work again and meets the error then."""
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
+def _chain_start(previous: _Row | None) -> tuple[int, Start, CompactTree]:
+    """Where the batch after segment ``previous`` (None: the first) starts: the sequence after which
+    its events are read, where its encoding starts, and the stream's tree before it."""
+    if previous is None:
+        return 0, (0, GENESIS_HASH, 0), CompactTree()
+    assert previous.hash is not None  # the previous segment is written, hence encoded
+    return previous.last, (previous.index + 1, previous.hash, previous.tree_size), previous.tree()
 
 
 async def _store_all(calls: list[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -423,8 +407,8 @@ class Archiver(Actor):
         self._consumer: Consumer | None = None
         self._probed = False
         self._progress = asyncio.Event()
-        #: Per stream: the next batch, read and encoded ahead while the current one is put and read back.
-        self._prefetch: dict[Stream, _Ahead] = {}
+        #: Per stream: the batches after the current one, read and encoded ahead while it is put and read back.
+        self._ahead: dict[Stream, ReadAhead[_Encoded, CompactTree]] = {}
         #: Per stream: segments the next batch may hold (see :data:`FIRST_BATCH_SEGMENTS`).
         self._batch_now: dict[Stream, int] = {}
 
@@ -470,7 +454,7 @@ class Archiver(Actor):
                 await self._consumer.cancel()
 
     async def close(self) -> None:
-        self._drop_prefetches()
+        self._drop_read_ahead()
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)
@@ -491,7 +475,7 @@ class Archiver(Actor):
 
     def _inactive(self) -> None:
         self.active = False
-        self._drop_prefetches()
+        self._drop_read_ahead()
 
     async def _archive_while_active(self, session: LockSession) -> None:
         self.active = True
@@ -553,25 +537,62 @@ class Archiver(Actor):
         assert self.signer is not None
         return self.signer
 
-    def _batch_limits(self, stream: Stream) -> tuple[int, int]:
-        """Events and event bytes the next batch of ``stream`` is read with at most.
+    def _limits(self, segments: int) -> Limits:
+        """Events and event bytes a batch of ``segments`` segments is read with at most.
 
         The bytes always allow one whole segment (the batch query returns the row that crosses the
         line too), so a batch of large events still cuts a segment by the bytes rule."""
-        segments = self._batch_now.get(stream, min(FIRST_BATCH_SEGMENTS, self.batch_segments))
         byte_segments = max(1, BATCH_SEGMENT_BYTES * segments // self.batch_segments)
         return self.policy.events * segments, self.policy.bytes * byte_segments
 
-    def _grow_batches(self, stream: Stream) -> None:
-        """Behind on ``stream``: its next batch may hold twice as many segments, up to the limit."""
-        current = self._batch_now.get(stream, min(FIRST_BATCH_SEGMENTS, self.batch_segments))
-        self._batch_now[stream] = min(self.batch_segments, current * 2)
+    def _batch_limits(self, stream: Stream) -> Limits:
+        """The limits ``stream``'s next batch is read with (growing while behind, from
+        :data:`FIRST_BATCH_SEGMENTS` after each activation)."""
+        return self._limits(self._batch_now.get(stream, min(FIRST_BATCH_SEGMENTS, self.batch_segments)))
+
+    def _grown(self, limits: Limits) -> Limits:
+        """The limits of the batch after one read with ``limits``, while behind: twice the segments,
+        up to ``batch_segments``."""
+        return self._limits(min(self.batch_segments, 2 * (limits[0] // self.policy.events)))
+
+    def _start_read_ahead(self, stream: Stream, after: int, limits: Limits, start: Start, tree: CompactTree) -> None:
+        """Read and encode ahead the batches of ``stream`` after ``after``, encoded from ``start``."""
+        async def read(after: int, limits: Limits) -> tuple[list[int], list[bytes]]:
+            # The history is committed and immutable: reading it needs no lock (what is sealed
+            # from it is decided under the lock).
+            async with self.db.pool.acquire() as conn:
+                return await _read_batch(conn, stream, after, *limits)
+
+        async def encode(start: Start, segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
+            return await self._encode(stream, start[0], start[1], segments, tree)
+
+        def follow(last: _Encoded) -> tuple[Start, CompactTree]:
+            return (last.sealed.index + 1, last.data[-HASH_SIZE:], last.sealed.tree_size), last.written.tree()
+
+        old = self._ahead.pop(stream, None)
+        if old is not None:
+            old.close()
+        self._ahead[stream] = ReadAhead(read=read, cut=functools.partial(seal_cuts, policy=self.policy),
+                                        encode=encode, follow=follow, grow=self._grown,
+                                        after=after, limits=limits, start=start, tree=tree)
+
+    def _drop_read_ahead(self, stream: Stream | None = None) -> None:
+        for key in [stream] if stream is not None else list(self._ahead):
+            ahead = self._ahead.pop(key, None)
+            if ahead is not None:
+                ahead.close()
 
     async def _read_first(self, session: LockSession) -> None:
-        """Start reading the public batch after the last segment (used if the first seal wants it)."""
-        after = await session.conn.fetchval(
-            "select coalesce(max(last_sequence), 0) from archive_segments where stream = $1", int(Stream.PUBLIC))
-        self._prefetch_rows(Stream.PUBLIC, int(after), self._batch_limits(Stream.PUBLIC))
+        """Start reading ahead the public batches after the last segment (used if the first seal wants
+        them): when that segment is written (a sealed one is finished first, from the database)."""
+        last = await session.conn.fetchrow(
+            f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
+            int(Stream.PUBLIC))
+        previous = _row(last) if last is not None else None
+        if previous is not None and previous.hash is None:
+            return
+        after, start, tree = _chain_start(previous)
+        self._start_read_ahead(Stream.PUBLIC, after, self._batch_limits(Stream.PUBLIC), start, tree)
 
     async def _round(self, session: LockSession, stream: Stream) -> bool:
         """Move ``stream`` one batch on; True when there may be more to do at once."""
@@ -653,47 +674,43 @@ class Archiver(Actor):
             f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
             int(stream))
         previous = _row(last) if last is not None else None
-        after = previous.last if previous is not None else 0
-        policy = self.policy
-        limit, budget = self._batch_limits(stream)
-        ahead = self._prefetch.pop(stream, None)
-        if ahead is not None and ahead.after != after:
-            ahead.cancel()
-            ahead = None
-        if ahead is not None:
-            limit, budget = ahead.limits  # what the rows read ahead were read with
-        sequences, bodies = await self._batch_rows(conn, stream, after, limit, budget, ahead)
-        if not sequences:
+        after, start, tree = _chain_start(previous)
+        ahead = self._ahead.get(stream)
+        ready = await ahead.take(after, start) if ahead is not None else None
+        if ready is None:
+            self._drop_read_ahead(stream)
+            limits = self._batch_limits(stream)
+            sequences, bodies = await _read_batch(conn, stream, after, *limits)
+            cuts, tail = seal_cuts(list(map(len, bodies)), self.policy)
+            rows, batch = Rows(after, limits, sequences, bodies, cuts, tail), None
+        else:
+            rows, batch = ready.rows, ready.encoded
+            if ahead is not None and ahead.ended:
+                self._drop_read_ahead(stream)
+        if not rows.sequences:
             return []
-        # Rows may follow the batch: its open tail could still fill up, so it is left for later.
-        truncated = len(sequences) == limit or sum(map(len, bodies)) >= budget
-        cuts, start = seal_cuts(list(map(len, bodies)), policy)
-        if start < len(sequences) and not truncated:
+        self._batch_now[stream] = rows.limits[0] // self.policy.events
+        cuts = list(rows.cuts)
+        # A full batch may be followed by more rows: its open tail could still fill up, so it is
+        # left for later; else the tail is sealed once its first event is old enough.
+        if rows.tail < len(rows.sequences) and not rows.full:
             age = await conn.fetchval(_PUBLIC_AGE if stream is Stream.PUBLIC else _PRIVATE_AGE,
-                                      sequences[start - 1] if start else after)
-            if age is not None and age >= policy.seconds:
-                cuts.append((start, len(sequences), "age"))
+                                      rows.sequences[rows.tail - 1] if rows.tail else after)
+            if age is not None and age >= self.policy.seconds:
+                cuts.append((rows.tail, len(rows.sequences), "age"))
+                batch = None  # encoded ahead by the size rules alone
         if not cuts:
-            if ahead is not None:
-                ahead.cancel()
+            self._drop_read_ahead(stream)
             return []
-        if truncated:
-            # Behind: read the next (larger) batch while this one is encoded, put and read back.
-            self._grow_batches(stream)
-            self._prefetch_rows(stream, sequences[cuts[-1][1] - 1], self._batch_limits(stream))
-        tree = previous.tree() if previous is not None else CompactTree()
-        index = previous.index + 1 if previous is not None else 0
-        previous_hash = previous.hash if previous is not None else GENESIS_HASH
-        assert previous_hash is not None  # the previous segment is published, hence encoded
-        batch = await self._encoded_ahead(ahead, (index, previous_hash, tree.size), cuts)
         if batch is None:
-            batch = await self._encode(stream, index, previous_hash,
-                                       [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts], tree)
-        if truncated:
-            # And encode that one as soon as its rows are in, while this batch is put, read back and published.
+            batch = await self._encode(stream, start[0], start[1], [
+                (rows.sequences[lo:hi], rows.bodies[lo:hi]) for lo, hi, _ in cuts], tree)
+        if rows.continues and stream not in self._ahead:
+            # Behind: read and encode the next (larger) batches while this one is put, read back and published.
             last_ = batch[-1]
-            self._encode_ahead(stream, (last_.sealed.index + 1, last_.data[-HASH_SIZE:], last_.sealed.tree_size),
-                               last_.written.tree())
+            self._start_read_ahead(stream, rows.next_after, self._grown(rows.limits),
+                                   (last_.sealed.index + 1, last_.data[-HASH_SIZE:], last_.sealed.tree_size),
+                                   last_.written.tree())
         rows_ = [e.sealed for e in batch]
         await conn.execute(
             "insert into archive_segments (stream, format_version, segment_index, first_sequence, last_sequence, "
@@ -719,69 +736,6 @@ class Archiver(Actor):
         return wait
 
     # --- encode, write, verify ---------------------------------------------------------------
-
-    async def _batch_rows(self, conn: Any, stream: Stream, after: int, limit: int, budget: int,
-                          ahead: _Ahead | None) -> tuple[list[int], list[bytes]]:
-        """The batch after ``after``: the one read ahead (``ahead``, read after that same sequence)
-        when there is one, else read now."""
-        if ahead is not None:
-            with contextlib.suppress(Exception):  # a failed prefetch is only a missed shortcut
-                return await ahead.rows
-        return await _read_batch(conn, stream, after, limit, budget)
-
-    async def _encoded_ahead(self, ahead: _Ahead | None, start: tuple[int, bytes, int],
-                             cuts: list[tuple[int, int, str]]) -> list[_Encoded] | None:
-        """The segments encoded ahead from the same rows when they were encoded from ``start``
-        (index, previous hash, tree size) with the same ``cuts``, else None (encode them now).
-
-        The same inputs give the same bytes (the encoding is deterministic): they are the segments
-        :meth:`_encode` would make, made earlier."""
-        if ahead is None or ahead.encoded is None:
-            return None
-        key, task = ahead.encoded
-        if key != start:
-            task.cancel()
-            return None
-        with contextlib.suppress(Exception):  # a failed encoding ahead is only a missed shortcut
-            made_cuts, batch = await task
-            return batch if made_cuts == cuts else None
-        return None
-
-    def _encode_ahead(self, stream: Stream, start: tuple[int, bytes, int], tree: CompactTree) -> None:
-        """Once the rows read ahead are in, cut them by the events and bytes rules and encode them
-        from ``start`` (index, previous hash, tree size: where the batch just encoded ends)."""
-        ahead = self._prefetch.get(stream)
-        if ahead is None:
-            return
-        index, previous_hash, _size = start
-        rows = ahead.rows
-
-        async def encode() -> tuple[list[tuple[int, int, str]], list[_Encoded]]:
-            sequences, bodies = await rows
-            cuts, _tail = seal_cuts(list(map(len, bodies)), self.policy)
-            if not cuts:
-                return cuts, []
-            return cuts, await self._encode(stream, index, previous_hash,
-                                            [(sequences[lo:hi], bodies[lo:hi]) for lo, hi, _ in cuts], tree)
-
-        ahead.encoded = (start, _quiet(asyncio.ensure_future(encode())))
-
-    def _prefetch_rows(self, stream: Stream, after: int, limits: tuple[int, int]) -> None:
-        """Start reading the batch after ``after`` on a pool connection (the history is committed and
-        immutable: reading it needs no lock; what is sealed from it is decided under the lock)."""
-        async def read() -> tuple[list[int], list[bytes]]:
-            async with self.db.pool.acquire() as conn:
-                return await _read_batch(conn, stream, after, *limits)
-
-        old = self._prefetch.pop(stream, None)
-        if old is not None:
-            old.cancel()
-        self._prefetch[stream] = _Ahead(after, limits, _quiet(asyncio.ensure_future(read())))
-
-    def _drop_prefetches(self) -> None:
-        for ahead in self._prefetch.values():
-            ahead.cancel()
-        self._prefetch.clear()
 
     async def _encode(self, stream: Stream, index: int, previous_hash: bytes,
                       segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:

@@ -255,12 +255,14 @@ async def private_vhost(amqp_url: str, mode: str, name: str) -> AsyncIterator[st
 
 
 @contextlib.asynccontextmanager
-async def scratch_database(server_dsn: str, name: str, *, keep: bool = False) -> AsyncIterator[str]:
-    """Create database ``name`` on the server of ``server_dsn``, yield its DSN, drop it afterwards
-    (unless ``keep``: then say that it was kept)."""
+async def scratch_database(server_dsn: str, name: str, *, keep: bool = False,
+                           template: str | None = None) -> AsyncIterator[str]:
+    """Create database ``name`` on the server of ``server_dsn`` (a copy of database ``template``
+    when given, which then must have no open session), yield its DSN, drop it afterwards (unless
+    ``keep``: then say that it was kept)."""
     admin = await asyncpg.connect(server_dsn)
     try:
-        await admin.execute(f'create database "{name}"')
+        await admin.execute(f'create database "{name}"' + (f' template "{template}"' if template else ""))
     finally:
         await admin.close()
     try:
