@@ -1,7 +1,9 @@
 """The archiver against the raw cost of the same work, on the same database in the same run.
 
 Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s generator, about
-1.3 changes per message), then measures, in events per second:
+1.3 changes per message) and vacuums it, then measures ``--rounds`` times (the median is reported),
+each round on its own copy of that database whose history is first read once untimed (the same
+warm cache for both sides), in events per second:
 
 - **raw**: ``COPY (select sequence, event from changes order by sequence) TO STDOUT`` and one
   ``hashlib.sha256`` per row: reading and hashing the history with nothing else;
@@ -26,7 +28,7 @@ Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s
 Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
 
 Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
-[--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
+[--rounds N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
 (the DSN is a server's maintenance database: databases of its own are created and dropped).
 """
 
