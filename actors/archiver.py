@@ -295,10 +295,10 @@ def seal_cuts(lengths: list[int], policy: SealPolicy) -> tuple[list[tuple[int, i
                 start = i
                 break
         else:
-            # Only the first event is past the limit, and it is alone in this stretch.
-            if end - start < events:
-                break
-            cuts.append((start, end, "events"))
+            # Only the first event is past the limit, and it is alone in this stretch: no event
+            # can join it, so it is a segment of its own at once (whether or not rows follow it, as a
+            # batch that ends at its byte budget may hold only this event).
+            cuts.append((start, end, "events" if end - start >= events else "bytes"))
             start = end
     return cuts, start
 

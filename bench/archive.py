@@ -112,7 +112,10 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int
         # The archiver's own progress signal, not a polling query: a poll would take the event loop
         # and the database from the work it measures, and see the end up to a poll interval late.
         while archiver.published_size.get(Stream.PUBLIC, 0) < full:
-            await asyncio.wait_for(archiver.wait_progress(), 120)
+            # (Not wait_for: on Python 3.11 it runs the wait in a new task, which would take the
+            # progress event a loop turn late and could miss the last one.)
+            async with asyncio.timeout(120):
+                await archiver.wait_progress()
         elapsed = time.perf_counter() - started
         published = int(await db.pool.fetchval(
             "select coalesce(max(tree_size), 0) from archive_segments where stream = 0 and state = 'published'"))

@@ -195,6 +195,18 @@ async def test_a_segment_seals_when_the_next_event_would_pass_the_byte_limit(sta
         assert seg.size + 16 + len(nxt.events[0].body) > 4096
 
 
+async def test_events_each_past_the_byte_limit_are_a_segment_each_and_none_waits(stack: Stack, tmp_path: Path) -> None:
+    """Every batch of a cold start here holds one such event (its byte budget is one segment); each
+    is sealed at once, the last one too, with no event after it and the age rule an hour away."""
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 4, content="x" * 3000)
+    async with archiving(stack, store, SealPolicy(events=500, bytes=2048, seconds=3600)):
+        segs = await published(stack, 4)
+    assert [(s["first_sequence"], s["last_sequence"]) for s in segs] == [(n, n) for n in sequences]
+    decoded = await read_archive(store, stack.identity.lineage)
+    assert [e.sequence for s in decoded for e in s.events] == sequences
+
+
 async def test_a_partial_segment_seals_after_its_first_event_is_old_enough(stack: Stack, tmp_path: Path) -> None:
     store = local(tmp_path)
     sequences = await write_messages(stack, 2)
@@ -377,6 +389,10 @@ def _cuts_event_by_event(lengths: list[int], policy: SealPolicy) -> tuple[list[t
         if i + 1 - start == policy.events:
             cuts.append((start, i + 1, "events"))
             start, size = i + 1, empty
+        elif i == start and grown > policy.bytes:
+            # Alone past the limit: no event can join it, whether or not one follows.
+            cuts.append((start, i + 1, "bytes"))
+            start, size = i + 1, empty
     return cuts, start
 
 
@@ -386,3 +402,12 @@ def _cuts_event_by_event(lengths: list[int], policy: SealPolicy) -> tuple[list[t
 def test_seal_cuts_are_the_rules_applied_event_by_event(lengths: list[int], events: int, size: int) -> None:
     policy = SealPolicy(events=events, bytes=size)
     assert seal_cuts(lengths, policy) == _cuts_event_by_event(lengths, policy)
+
+
+def test_an_event_alone_past_the_byte_limit_is_a_segment_at_once() -> None:
+    """Even as the last event read (a batch at its byte budget may hold only it): waiting for the
+    next one would change nothing, and a batch of only that event must still move on."""
+    policy = SealPolicy(events=500, bytes=4096)
+    assert seal_cuts([5000], policy) == ([(0, 1, "bytes")], 1)
+    assert seal_cuts([10, 5000], policy) == ([(0, 1, "bytes"), (1, 2, "bytes")], 2)
+    assert seal_cuts([5000, 10], policy) == ([(0, 1, "bytes")], 1)

@@ -47,11 +47,12 @@ def _parse_python(data: bytes) -> tuple[list[int], list[bytes]]:
         if data[pos:pos + 2] == b"\xff\xff":
             pos += 2
             break
+        # The same checks in the same order as the C parser, so both refuse alike.
+        if data[pos:pos + 2] != b"\x00\x02":
+            raise ValueError("binary COPY row without exactly two fields")
         if len(data) - pos < _ROW.size:
             raise ValueError("binary COPY row whose first field is not an 8-byte integer")
-        fields, size, number, length = _ROW.unpack_from(data, pos)
-        if fields != 2:
-            raise ValueError("binary COPY row without exactly two fields")
+        _fields, size, number, length = _ROW.unpack_from(data, pos)
         if size != 8:
             raise ValueError("binary COPY row whose first field is not an 8-byte integer")
         if length == -1:
