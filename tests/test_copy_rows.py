@@ -72,7 +72,7 @@ async def test_output_that_is_not_whole_is_refused_alike(conn: asyncpg.Connectio
         assert native == python
     assert refusals(data + b"\x00") == ("bytes after the binary COPY trailer",) * 2
     assert refusals(b"PGCOPY\n\xff\r\n\x01" + data[11:])[0] == "not a binary COPY output (no signature)"
-    three = await copy_output(conn, "select sequence, event, event from history order by sequence")
+    three = await copy_output(conn, "select sequence, event, event from history where sequence < 100 order by sequence")
     assert refusals(three) == ("binary COPY row without exactly two fields",) * 2
     for cut in range(19, len(three)):  # the wrong field count is named first, however short the rest
         native, python = refusals(three[:cut])
