@@ -374,7 +374,8 @@ class Archiver(Actor):
     def __init__(self, bus: Bus, db: Database, *, identity: CorpusIdentity | None, store: ArchiveStore,
                  signer: SignerKey | None, node_id: str, dsn: str | None = None, policy: SealPolicy | None = None,
                  sweep_interval: float = 5.0, standby_interval: float = DEFAULT_STANDBY_INTERVAL,
-                 parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS) -> None:
+                 parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS,
+                 store_backoff: tuple[float, float] = STORE_BACKOFF) -> None:
         super().__init__()
         self.bus = bus
         self.db = db
@@ -388,6 +389,8 @@ class Archiver(Actor):
         self.standby_interval = standby_interval
         self.parent_lineage = parent_lineage
         self.batch_segments = batch_segments
+        #: Back-off after a store failure: doubles from the first value up to the second (STORE_BACKOFF).
+        self.store_backoff = store_backoff
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
         #: True while this instance holds the lock and archives.
         self.active = False
@@ -482,7 +485,7 @@ class Archiver(Actor):
         self.activations += 1
         self._batch_now.clear()  # each activation starts with small batches again
         self.log.info("archiver.active", store=self.store.description)
-        backoff = STORE_BACKOFF[0]
+        backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
         next_measure = loop.time()
         # Read the first public batch while the store is probed and the first round starts.
@@ -514,12 +517,12 @@ class Archiver(Actor):
                 await self._pause(backoff, session.lost)
                 if session.lost.is_set():
                     raise LockLost("the archiver's database session closed") from None
-                backoff = min(backoff * 2, STORE_BACKOFF[1])
+                backoff = min(backoff * 2, self.store_backoff[1])
                 continue
             if self.store_error is not None:
                 self.log.info("archiver.store_available")
                 self.store_error = None
-            backoff = STORE_BACKOFF[0]
+            backoff = self.store_backoff[0]
             if busy:
                 continue
             wait = await guarded(session, self._next_deadline(session))

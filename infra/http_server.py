@@ -53,6 +53,9 @@ MAX_HEADERS = 128
 DEFAULT_READ_TIMEOUT = 30.0
 
 _FIX = "Send a well-formed HTTP/1.1 request (RFC 9112); GET /openapi.json lists every route."
+#: Seconds a connection answered 408 stays open, its input read and dropped, after the answer and a
+#: FIN were sent (see ``GuardedRequestHandler._linger_close``).
+LINGER_AFTER_TIMEOUT = 1.0
 _HEADER_TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s")
@@ -101,6 +104,8 @@ class GuardedRequestHandler(RequestHandler):
         self._metrics = metrics
         self._read_timeout = read_timeout
         self._header_deadline: asyncio.TimerHandle | None = None
+        #: Set once a 408 went out: further input is dropped until the connection closes.
+        self._lingering: asyncio.TimerHandle | None = None
 
     # -- header read timeout --------------------------------------------------------------
 
@@ -109,6 +114,8 @@ class GuardedRequestHandler(RequestHandler):
         self._arm_header_deadline()  # a connection that never sends anything is bounded too
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:
+            return  # answered 408 already: what the client still sends is read only to be dropped
         # Bytes arriving while no request is being handled or queued are the start of a request:
         # its headers must be complete within the deadline. (Body bytes and pipelined requests
         # behind a running one arrive while a request is in progress and arm nothing.)
@@ -121,6 +128,8 @@ class GuardedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_header_deadline()
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
 
     def _arm_header_deadline(self) -> None:
@@ -141,7 +150,19 @@ class GuardedRequestHandler(RequestHandler):
         body = error_response(ReadTimeout()).body
         assert isinstance(body, bytes)
         transport.write(_HEADER_TIMEOUT_RESPONSE % (len(body), body))
-        self.force_close()
+        self._linger_close(transport)
+
+    def _linger_close(self, transport: asyncio.Transport) -> None:
+        """Close after the answer the way RFC 9112 §9.6 asks: the answer and a FIN first (half
+        close), the client's further bytes read and dropped for LINGER_AFTER_TIMEOUT, then the close.
+
+        Closing at once while the client still sends (a slowloris trickling header bytes) leaves its
+        bytes unread, which makes the kernel answer with a reset instead of a FIN; a reset can reach
+        the client before it has read the 408, which it then never sees.
+        """
+        self._lingering = self._loop.call_later(LINGER_AFTER_TIMEOUT, self.force_close)
+        if transport.can_write_eof():
+            transport.write_eof()  # sent once the answer is flushed
 
     # -- parser errors ----------------------------------------------------------------------
 

@@ -159,7 +159,8 @@ async def stack(stack_backends: tuple[str | None, str], request: pytest.FixtureR
     amqp_url, server = stack_backends
     marker = request.node.get_closest_marker("stack_env")
     env = {**STACK_ENV, **(marker.kwargs if marker else {})}
-    async with fresh_database(server) as dsn, running_stack(dsn, amqp_url, env) as running:
+    # A migrated clone: running_stack's apply_migrations then finds nothing to do.
+    async with fresh_database(server, migrated=True) as dsn, running_stack(dsn, amqp_url, env) as running:
         yield running
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -106,13 +108,50 @@ async def get_json(url: str, timeout: float = 10) -> tuple[int, dict]:
         return resp.status, await resp.json()
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for processes that cannot report their own)."""
-    import socket
+#: Ports :func:`free_port` hands out: below the kernel's ephemeral range (32768-60999 on Linux), so an
+#: outgoing connection's local port never takes one between the check and the server's bind.
+PORT_RANGE = (10000, 32768)
 
+
+def _worker_ports() -> range:
+    """This test process's share of PORT_RANGE: one slice per pytest-xdist worker (``gw0``, ``gw1``…),
+    so two workers never hand out the same port; the whole range without xdist."""
+    low, high = PORT_RANGE
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count <= 1:
+        return range(low, high)
+    width = (high - low) // count
+    start = low + int(worker[2:]) % count * width
+    return range(start, start + width)
+
+
+_PORTS = _worker_ports()
+#: Where the next search starts: a random point of this process's slice (two runs of the suite on one
+#: machine rarely start at the same place), then onwards, so a port just given away (to a server that
+#: may not have bound it yet, or that stopped and may be started again on it) is not handed out again soon.
+_next_port = random.randrange(len(_PORTS))
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*offsets: int) -> int:
+    """A TCP port that was free a moment ago (for processes that cannot report their own), with
+    ``port + offset`` free too for each of ``offsets`` (honcho gives its process types port+100…)."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        if all(0 < port + o < 65536 and _bindable(port + o) for o in (0, *offsets)):
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def unexpected_tracebacks(output: list[str]) -> list[int]:

@@ -89,6 +89,9 @@ def seaweedfs(workdir: Path, *, startup_timeout: float = 90, ports: dict[str, in
                                                      "filer", "filer.grpc", "s3", "s3.grpc")}
     args = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64", "-volume.max=4",
+            # One master, no peers to agree with: started again on its data (a test's store outage)
+            # it would wait out the default 10 s election timeout, twice over, before serving.
+            "-master.electionTimeout=1s",
             f"-master.port={ports['master']}", f"-master.port.grpc={ports['master.grpc']}",
             f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume.grpc']}",
             "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from actors.archiver import (
     FIRST_BATCH_SEGMENTS,
+    STORE_BACKOFF,
     Archiver,
     SealPolicy,
     active_archiver,
@@ -57,11 +58,12 @@ def signer_for(stack: Stack) -> SignerKey:
 
 @contextlib.asynccontextmanager
 async def archiving(stack: Stack, store: ArchiveStore, policy: SealPolicy, *, node_id: str = "arch-a",
-                    signer: SignerKey | None = None) -> AsyncIterator[Archiver]:
+                    signer: SignerKey | None = None,
+                    store_backoff: tuple[float, float] = STORE_BACKOFF) -> AsyncIterator[Archiver]:
     """An archiver on the stack's bus and database, running for the block."""
     archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store,
                         signer=signer or signer_for(stack), node_id=node_id, policy=policy,
-                        sweep_interval=0.2, standby_interval=0.2)
+                        sweep_interval=0.2, standby_interval=0.2, store_backoff=store_backoff)
     await archiver.start()
     try:
         yield archiver
@@ -339,7 +341,8 @@ async def test_an_unreachable_store_holds_verification_back_and_the_archiver_cat
         server: S3Server = await asyncio.to_thread(exits.enter_context, seaweedfs(workdir))
         store = server.store("unreachable")
         sequences = await write_messages(stack, 2)
-        async with archiving(stack, store, SealPolicy(events=2, seconds=3600)) as archiver:
+        # A short back-off cap: the default (10 s) would be waited out once the store is back.
+        async with archiving(stack, store, SealPolicy(events=2, seconds=3600), store_backoff=(0.2, 1.0)) as archiver:
             await published(stack, 1)
             await asyncio.to_thread(exits.close)  # the store goes away
             await write_messages(stack, 4)

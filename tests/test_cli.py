@@ -151,7 +151,7 @@ async def test_procfile_under_honcho(tmp_path: Path, rabbitmq_url: str, database
     env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path), TOASTMACHINE_AMQP_URL=rabbitmq_url,
                           TOASTMACHINE_DATABASE_URL=database_url,
                           PATH=f"{honcho.parent}:{procs.os.environ.get('PATH', '')}")
-    port = procs.free_port()
+    port = procs.free_port(300)  # honcho gives mcp, the Procfile's fourth line, port + 300
     group = await procs.start("start", "-p", str(port), env=env, program=(str(honcho),))
     try:
         await group.wait_for_line(r"writer\.1\s+\|.*ToastMachine running writer", timeout=60)

@@ -254,6 +254,7 @@ async def test_a_write_on_another_web_node_and_a_new_guide_notify_both_revisions
 
 
 @pytest.mark.fault
+@pytest.mark.exclusive  # rabbitmqctl stop_app: the broker goes away for every test on the machine
 async def test_broker_restart_while_listening_keeps_notifying(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     """RabbitMQ stops and starts while both clients listen: the MCP node's hub reconnects (its queue

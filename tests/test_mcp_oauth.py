@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import re
 import secrets
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from actors.mcp.app import build_app
 from actors.mcp.front import make_server
 from infra.config import Settings
 from infra.db.pool import Database
+from tests import procs
 from tests.oauth_flow import REDIRECT, sdk_oauth_client
 from tests.oauth_flow import authorize as _authorize
 from tests.oauth_flow import code as _code
@@ -39,9 +39,7 @@ from tests.oauth_flow import tokens as _tokens
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return procs.free_port()
 
 
 @dataclass

@@ -84,7 +84,7 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
     assert match, "the scale-out block is marked <!-- readme-scale-out -->"
     lines = match.group(1).splitlines()
     assert lines[0].startswith("python3 -m venv .venv && .venv/bin/pip install -e . honcho"), lines[0]
-    port = procs.free_port()
+    port = procs.free_port(300)  # honcho gives mcp, the Procfile's fourth line, port + 300
     script = []
     for line in lines[1:]:
         line = re.sub(r"^export TOASTMACHINE_AMQP_URL=\S+", f"export TOASTMACHINE_AMQP_URL={rabbitmq_url}", line)

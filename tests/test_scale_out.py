@@ -376,6 +376,7 @@ async def test_scale_out_two_of_each_every_follower_gets_every_change(
             assert not queued.problems, queued.problems[:5]
 
 
+@pytest.mark.exclusive  # rabbitmqctl stop_app: the broker goes away for every test on the machine
 async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
         tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
     async with deployment(tmp_path, rabbitmq_url, database_url) as dep:

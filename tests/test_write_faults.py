@@ -138,21 +138,36 @@ async def write_until_created(session: aiohttp.ClientSession, url: str, write: W
 
 
 async def run_load(session: aiohttp.ClientSession, url: str, agents: list[Agent], count: int, clients: int,
-                   inject_fault: Callable[[Load], Coroutine[Any, Any, None]]) -> list[Write]:
+                   inject_fault: Callable[[Load], Coroutine[Any, Any, None]], *,
+                   until_fault: bool = False) -> list[Write]:
     """``count`` message writes from ``clients`` concurrent tasks, each retried until 201, while
-    ``inject_fault`` does its damage; returns the writes with what each went through."""
-    writes = [Write(n, agents[n % len(agents)]) for n in range(count)]
-    pending: asyncio.Queue[Write] = asyncio.Queue()
-    for w in writes:
-        pending.put_nowait(w)
+    ``inject_fault`` does its damage; returns the writes with what each went through.
+
+    With ``until_fault`` the clients keep issuing new writes past ``count`` until ``inject_fault``
+    has returned, so the fault always lands on a running load (``count`` is then a minimum): a
+    fast machine could otherwise finish every write before a slow fault (a server's shutdown) hits.
+    """
+    writes: list[Write] = []
+    injected = asyncio.Event()
     load = Load()
 
+    def take() -> Write | None:
+        if len(writes) >= count and (not until_fault or injected.is_set()):
+            return None
+        write = Write(len(writes), agents[len(writes) % len(agents)])
+        writes.append(write)
+        return write
+
     async def client() -> None:
-        while not pending.empty():
-            await write_until_created(session, url, pending.get_nowait(), load)
+        while (write := take()) is not None:
+            await write_until_created(session, url, write, load)
+
+    async def fault() -> None:
+        await inject_fault(load)
+        injected.set()
 
     async with asyncio.TaskGroup() as tasks:
-        tasks.create_task(inject_fault(load))
+        tasks.create_task(fault())
         for _ in range(clients):
             tasks.create_task(client())
     return writes
@@ -362,7 +377,8 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
                     await load.failed.wait()
                 servers.append(await start_embedded(tmp_path / "db"))
 
-            writes = await run_load(session, url, agents, 400, 8, inject_fault)
+            # Until the fault: the 300 writes after the first 100 may all be done before the server stops.
+            writes = await run_load(session, url, agents, 400, 8, inject_fault, until_fault=True)
             assert len(servers) == 2, "the load ended before the server was stopped"
 
             assert any(w.retried for w in writes), "no write failed while the server was down"
