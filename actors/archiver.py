@@ -322,6 +322,19 @@ class _Encoded:
         return self.data[-2 * HASH_SIZE:-HASH_SIZE]
 
 
+async def _last_segment(conn: Any, stream: Stream) -> _Row | None:
+    """The newest ``archive_segments`` row of ``stream``, whatever its state (None: none yet)."""
+    last = await conn.fetchrow(
+        f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
+        int(stream))
+    return _row(last) if last is not None else None
+
+
+def _start_after(last: _Encoded) -> tuple[Start, CompactTree]:
+    """Where the encoding of the batch after the one ending with segment ``last`` starts, and the tree."""
+    return (last.sealed.index + 1, last.data[-HASH_SIZE:], last.sealed.tree_size), last.written.tree()
+
+
 def _chain_start(previous: _Row | None) -> tuple[int, Start, CompactTree]:
     """Where the batch after segment ``previous`` (None: the first) starts: the sequence after which
     its events are read, where its encoding starts, and the stream's tree before it."""
@@ -569,14 +582,11 @@ class Archiver(Actor):
         async def encode(start: Start, segments: list[tuple[list[int], list[bytes]]], tree: CompactTree) -> list[_Encoded]:
             return await self._encode(stream, start[0], start[1], segments, tree)
 
-        def follow(last: _Encoded) -> tuple[Start, CompactTree]:
-            return (last.sealed.index + 1, last.data[-HASH_SIZE:], last.sealed.tree_size), last.written.tree()
-
         old = self._ahead.pop(stream, None)
         if old is not None:
             old.close()
         self._ahead[stream] = ReadAhead(read=read, cut=functools.partial(seal_cuts, policy=self.policy),
-                                        encode=encode, follow=follow, grow=self._grown,
+                                        encode=encode, follow=_start_after, grow=self._grown,
                                         after=after, limits=limits, start=start, tree=tree)
 
     def _drop_read_ahead(self, stream: Stream | None = None) -> None:
@@ -588,10 +598,7 @@ class Archiver(Actor):
     async def _read_first(self, session: LockSession) -> None:
         """Start reading ahead the public batches after the last segment (used if the first seal wants
         them): when that segment is written (a sealed one is finished first, from the database)."""
-        last = await session.conn.fetchrow(
-            f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
-            int(Stream.PUBLIC))
-        previous = _row(last) if last is not None else None
+        previous = await _last_segment(session.conn, Stream.PUBLIC)
         if previous is not None and previous.hash is None:
             return
         after, start, tree = _chain_start(previous)
@@ -673,11 +680,7 @@ class Archiver(Actor):
         could see: the bytes are a function of the recorded decision, and :meth:`_reencode` makes
         them again from it.
         """
-        last = await conn.fetchrow(
-            f"select {_SEGMENT_COLUMNS} from archive_segments where stream = $1 order by segment_index desc limit 1",
-            int(stream))
-        previous = _row(last) if last is not None else None
-        after, start, tree = _chain_start(previous)
+        after, start, tree = _chain_start(await _last_segment(conn, stream))
         ahead = self._ahead.get(stream)
         ready = await ahead.take(after, start) if ahead is not None else None
         if ready is None:
@@ -710,10 +713,7 @@ class Archiver(Actor):
                 (rows.sequences[lo:hi], rows.bodies[lo:hi]) for lo, hi, _ in cuts], tree)
         if rows.continues and stream not in self._ahead:
             # Behind: read and encode the next (larger) batches while this one is put, read back and published.
-            last_ = batch[-1]
-            self._start_read_ahead(stream, rows.next_after, self._grown(rows.limits),
-                                   (last_.sealed.index + 1, last_.data[-HASH_SIZE:], last_.sealed.tree_size),
-                                   last_.written.tree())
+            self._start_read_ahead(stream, rows.next_after, self._grown(rows.limits), *_start_after(batch[-1]))
         rows_ = [e.sealed for e in batch]
         await conn.execute(
             "insert into archive_segments (stream, format_version, segment_index, first_sequence, last_sequence, "
