@@ -44,8 +44,8 @@ at once; behind, the checkpoints are fewer (each still extends the last).
 While behind, the batches after the one being sealed are read ahead on a pool connection (the
 first one while the store is probed) and encoded ahead (:class:`actors.archive_ahead.ReadAhead`):
 the next one is encoded while the one after it is read, as the current one is put, read back and
-published. Batches start at :data:`FIRST_BATCH_SEGMENTS` segments after each activation and double
-up to ``batch_segments``. Encoding and the read-back check run in a worker thread (hashing whole
+published. Batches start at :data:`FIRST_BATCH_SEGMENTS` segments after each activation and grow
+:data:`BATCH_GROWTH` times a batch up to ``batch_segments``. Encoding and the read-back check run in a worker thread (hashing whole
 segments and lists of events releases the GIL).
 
 Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-over (see
@@ -131,11 +131,15 @@ BATCH_SEGMENTS = 32
 #: Event bytes read per batch at most, in segments of ``policy.bytes`` (16 MiB by default).
 BATCH_SEGMENT_BYTES = 4
 #: Segments in a stream's first batch after the archiver becomes active; each batch read while
-#: behind may hold twice as many as the one before, up to ``batch_segments``. A cold start then puts
-#: a small batch while the next is read and encoded, instead of waiting for a whole
-#: ``batch_segments`` batch to be read and encoded before the store has anything to do (measured:
-#: about a fifth of a 120,000-event catch-up went to that first wait).
-FIRST_BATCH_SEGMENTS = 2
+#: behind may hold :data:`BATCH_GROWTH` times as many as the one before, up to ``batch_segments``.
+#: A cold start then puts a small batch while the next is read and encoded, instead of waiting for
+#: a whole ``batch_segments`` batch to be read and encoded before the store has anything to do
+#: (measured: about a fifth of a 120,000-event catch-up went to that first wait).
+FIRST_BATCH_SEGMENTS = 4
+#: How much larger each batch read while behind may be than the one before. Measured on a
+#: 120,000-event catch-up (5 runs each): starting at 4 segments and growing 4 times reached full
+#: batches two batches sooner than 2 and twice, and archived about a tenth faster.
+BATCH_GROWTH = 4
 #: Store requests in flight at once within a batch.
 STORE_CONCURRENCY = 8
 #: Pending private records captured per transaction.
@@ -567,9 +571,9 @@ class Archiver(Actor):
         return self._limits(self._batch_now.get(stream, min(FIRST_BATCH_SEGMENTS, self.batch_segments)))
 
     def _grown(self, limits: Limits) -> Limits:
-        """The limits of the batch after one read with ``limits``, while behind: twice the segments,
-        up to ``batch_segments``."""
-        return self._limits(min(self.batch_segments, 2 * (limits[0] // self.policy.events)))
+        """The limits of the batch after one read with ``limits``, while behind: :data:`BATCH_GROWTH`
+        times the segments, up to ``batch_segments``."""
+        return self._limits(min(self.batch_segments, BATCH_GROWTH * (limits[0] // self.policy.events)))
 
     def _start_read_ahead(self, stream: Stream, after: int, limits: Limits, start: Start, tree: CompactTree) -> None:
         """Read and encode ahead the batches of ``stream`` after ``after``, encoded from ``start``."""

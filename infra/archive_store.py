@@ -7,7 +7,7 @@ local directory and any S3-compatible server take the same code path:
   that directory; ``s3://bucket[/prefix]``: that bucket, with endpoint, region and credentials from
   ``TOASTMACHINE_ARCHIVE_S3_*`` (else obstore's defaults, i.e. the ``AWS_*`` environment).
 - :meth:`ArchiveStore.put` is create-only (S3 ``If-None-Match: *``; obstore's exclusive create on a
-  directory). When the key exists, the stored bytes are fetched and compared: identical is success
+  directory, done here as obstore does it: see :meth:`ArchiveStore._create_file`). When the key exists, the stored bytes are fetched and compared: identical is success
   (a retried upload after a crash), different raises :class:`ForkAlarm`, which the archiver must treat as
   fatal: two histories are claiming the same name.
 - :meth:`ArchiveStore.replace` overwrites, and exists only for the derived ``manifest.json``.
@@ -15,9 +15,10 @@ local directory and any S3-compatible server take the same code path:
   store really refuses a second create (some S3-compatible stores ignore the precondition).
 
 Reads are bounded: :meth:`get` refuses an object larger than ``max_bytes`` before reading it. On a
-directory, :meth:`get` reads the file itself (obstore writes objects there under a temporary name
-and links them into place, so a file at a key is always whole): measured, obstore's get of a
-local object cost eight times a plain read, and the archiver reads back every segment it writes.
+directory, :meth:`put` and :meth:`get` write and read the files themselves (an object is written
+under a staging name and linked into place, as obstore does it, so a file at a key is always whole):
+measured, obstore's local get cost eight times a plain read and its put twice the CPU of a plain
+write, and the archiver writes and reads back every segment once.
 Errors from the store are re-raised as :class:`ArchiveStoreError` naming the operation and key,
 never the store's credentials.
 
@@ -113,7 +114,9 @@ _RETRY: dict[str, Any] = {"max_retries": 2}
 
 #: Keys a directory store reads as plain paths (every key the archive writes); others go through obstore.
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
-#: A directory store reads files up to this size on the event loop, larger ones in a thread.
+#: A directory store reads and writes files up to this size on the event loop, larger ones in a
+#: thread. Measured on a 120,000-event catch-up, writing every 0.5 MiB segment in a thread instead
+#: was slower: each hand-off to a thread and back costs more than the write it moves.
 _READ_INLINE = 1 << 20
 
 
@@ -198,9 +201,14 @@ class ArchiveStore:
         """Create ``key`` with ``data``; if it exists, success when identical, ForkAlarm otherwise."""
         _check_key(key)
         try:
-            # One request, never multipart: conditional create applies to a single PUT everywhere.
-            await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
-            return PutOutcome.CREATED
+            if self._directory is not None and _PLAIN_KEY.fullmatch(key):
+                created = await self._create_file(key, data)
+            else:
+                # One request, never multipart: conditional create applies to a single PUT everywhere.
+                await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
+                created = True
+            if created:
+                return PutOutcome.CREATED
         except (AlreadyExistsError, PreconditionError, FileExistsError):
             pass
         except (BaseError, OSError) as e:
@@ -243,6 +251,32 @@ class ArchiveStore:
         if len(data) != size:
             raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")
         return data
+
+    async def _create_file(self, key: str, data: bytes) -> bool:
+        """:meth:`put` on a directory, as obstore's local store does it: the bytes go to a staging
+        file beside the key (named ``<name>#<random digits>``, the form obstore's own staging files have, which its listings skip), which is then hard-linked
+        to the key; the link fails when the key exists, so a file at a key is always whole and never
+        replaced. True when created, False when the key existed. Measured on a 120 MB catch-up,
+        obstore's local put cost twice the CPU of this (the archiver writes every segment once).
+        A small file is written on the event loop, a larger one in a thread, as :meth:`_read_file` reads."""
+        assert self._directory is not None
+        path = self._directory / key
+        staging = path.with_name(f"{path.name}#{uuid.uuid4().int}")  # digits after "#": obstore's staging form
+
+        def write() -> bool:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with staging.open("xb") as f:
+                    f.write(data)
+                try:
+                    os.link(staging, path)
+                except FileExistsError:
+                    return False
+                return True
+            finally:
+                staging.unlink(missing_ok=True)
+
+        return write() if len(data) <= _READ_INLINE else await asyncio.to_thread(write)
 
     async def _read_file(self, key: str, max_bytes: int) -> bytes:
         """:meth:`get` on a directory: the file under the key (a small one read at once, a larger one

@@ -609,6 +609,86 @@ done:
 
 /* --- PostgreSQL binary COPY rows of (bigint, text-or-bytea): the archiver's batch read --- */
 
+/* One pass of the parser over `data[0..n)`: the header first when `header`, then every whole row,
+ * appended to `sequences` and `bodies`. Stops at the trailer (*ended = 1) or at a row (or header)
+ * that is not whole yet; *consumed is where the unparsed rest starts, *need how many bytes from
+ * there it takes at least to go on. When `final`, nothing more will come: what is not whole is a
+ * fault, the same one a parse of the whole output names (so a stream parsed in pieces and the
+ * whole output parsed at once are refused alike). Returns the fault, or NULL (a Python error may
+ * be set: then *consumed is meaningless). */
+static const char *parse_copy(const unsigned char *data, Py_ssize_t n, int header, int final, PyObject *sequences,
+                              PyObject *bodies, Py_ssize_t *consumed, Py_ssize_t *need, int *ended) {
+    static const unsigned char signature[11] = {'P', 'G', 'C', 'O', 'P', 'Y', '\n', 0xff, '\r', '\n', 0};
+    Py_ssize_t pos = 0;
+    *ended = 0;
+    *consumed = 0;
+    *need = 0;
+    if (header) {
+        if (n < 19) {
+            *need = 19;
+            return final || (n >= 11 && memcmp(data, signature, 11) != 0) ? "not a binary COPY output (no signature)"
+                                                                           : NULL;
+        }
+        if (memcmp(data, signature, 11) != 0) {
+            return "not a binary COPY output (no signature)";
+        }
+        if (get_be32(data + 11) & 0xffff0000u) {
+            return "binary COPY output with unknown critical flags";
+        }
+        uint32_t extension = get_be32(data + 15);
+        if (extension > (uint64_t)(n - 19)) {
+            *need = 19 + (Py_ssize_t)extension;
+            return final ? "binary COPY header extension past the end" : NULL;
+        }
+        pos = 19 + (Py_ssize_t)extension;
+    }
+    for (;;) {
+        *consumed = pos;
+        if (n - pos < 2) {
+            *need = 2;
+            return final ? "binary COPY output ends without its trailer" : NULL;
+        }
+        int16_t fields = (int16_t)((data[pos] << 8) | data[pos + 1]);
+        if (fields == -1) {
+            *consumed = pos + 2;
+            *ended = 1;
+            return pos + 2 != n ? "bytes after the binary COPY trailer" : NULL;
+        }
+        if (fields != 2) {
+            return "binary COPY row without exactly two fields";
+        }
+        if ((n - pos >= 6 && get_be32(data + pos + 2) != 8) || (final && n - pos < 18)) {
+            return "binary COPY row whose first field is not an 8-byte integer";
+        }
+        if (n - pos < 18) {
+            *need = 18;
+            return NULL;
+        }
+        int64_t number = (int64_t)get_be64(data + pos + 6);
+        uint32_t length = get_be32(data + pos + 14);
+        if (length == 0xffffffffu) {
+            return "binary COPY row whose second field is NULL";
+        }
+        if (length > (uint64_t)(n - pos - 18)) {
+            *need = 18 + (Py_ssize_t)length;
+            return final ? "binary COPY row whose second field runs past the end" : NULL;
+        }
+        PyObject *item = PyLong_FromLongLong(number);
+        if (item == NULL || PyList_Append(sequences, item) < 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+        item = PyBytes_FromStringAndSize((const char *)data + pos + 18, (Py_ssize_t)length);
+        if (item == NULL || PyList_Append(bodies, item) < 0) {
+            Py_XDECREF(item);
+            return NULL;
+        }
+        Py_DECREF(item);
+        pos += 18 + (Py_ssize_t)length;
+    }
+}
+
 PyDoc_STRVAR(copy_rows_doc,
              "copy_rows(data, /)\n--\n\n"
              "(sequences, bodies) of a whole PostgreSQL binary COPY output whose rows are (bigint, text or\n"
@@ -617,88 +697,57 @@ PyDoc_STRVAR(copy_rows_doc,
              "the trailer (-1) and nothing after it. ValueError naming the first thing that is not so.");
 
 static PyObject *copy_rows(PyObject *Py_UNUSED(module), PyObject *arg) {
-    static const unsigned char signature[11] = {'P', 'G', 'C', 'O', 'P', 'Y', '\n', 0xff, '\r', '\n', 0};
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    const unsigned char *data = view.buf;
-    Py_ssize_t n = view.len, pos = 19;
-    PyObject *sequences = NULL, *bodies = NULL, *result = NULL;
-    const char *fault = NULL;
-    if (n < 19 || memcmp(data, signature, 11) != 0) {
-        fault = "not a binary COPY output (no signature)";
-        goto done;
-    }
-    if (get_be32(data + 11) & 0xffff0000u) {
-        fault = "binary COPY output with unknown critical flags";
-        goto done;
-    }
-    uint32_t extension = get_be32(data + 15);
-    if (extension > (uint64_t)(n - pos)) {
-        fault = "binary COPY header extension past the end";
-        goto done;
-    }
-    pos += (Py_ssize_t)extension;
-    sequences = PyList_New(0);
-    bodies = PyList_New(0);
-    if (sequences == NULL || bodies == NULL) {
-        goto done;
-    }
-    for (;;) {
-        if (n - pos < 2) {
-            fault = "binary COPY output ends without its trailer";
-            goto done;
+    PyObject *sequences = PyList_New(0), *bodies = PyList_New(0), *result = NULL;
+    if (sequences != NULL && bodies != NULL) {
+        Py_ssize_t consumed, need;
+        int ended;
+        const char *fault = parse_copy(view.buf, view.len, 1, 1, sequences, bodies, &consumed, &need, &ended);
+        if (fault != NULL) {
+            PyErr_SetString(PyExc_ValueError, fault);
+        } else if (!PyErr_Occurred()) {
+            result = PyTuple_Pack(2, sequences, bodies);
         }
-        int16_t fields = (int16_t)((data[pos] << 8) | data[pos + 1]);
-        pos += 2;
-        if (fields == -1) {
-            break;
-        }
-        if (fields != 2) {
-            fault = "binary COPY row without exactly two fields";
-            goto done;
-        }
-        if (n - pos < 16 || get_be32(data + pos) != 8) {
-            fault = "binary COPY row whose first field is not an 8-byte integer";
-            goto done;
-        }
-        int64_t number = (int64_t)get_be64(data + pos + 4);
-        uint32_t length = get_be32(data + pos + 12);
-        pos += 16;
-        if (length == 0xffffffffu) {
-            fault = "binary COPY row whose second field is NULL";
-            goto done;
-        }
-        if (length > (uint64_t)(n - pos)) {
-            fault = "binary COPY row whose second field runs past the end";
-            goto done;
-        }
-        PyObject *item = PyLong_FromLongLong(number);
-        if (item == NULL || PyList_Append(sequences, item) < 0) {
-            Py_XDECREF(item);
-            goto done;
-        }
-        Py_DECREF(item);
-        item = PyBytes_FromStringAndSize((const char *)data + pos, (Py_ssize_t)length);
-        if (item == NULL || PyList_Append(bodies, item) < 0) {
-            Py_XDECREF(item);
-            goto done;
-        }
-        Py_DECREF(item);
-        pos += (Py_ssize_t)length;
-    }
-    if (pos != n) {
-        fault = "bytes after the binary COPY trailer";
-        goto done;
-    }
-    result = PyTuple_Pack(2, sequences, bodies);
-done:
-    if (fault != NULL) {
-        PyErr_SetString(PyExc_ValueError, fault);
     }
     Py_XDECREF(sequences);
     Py_XDECREF(bodies);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(copy_rows_feed_doc,
+             "copy_rows_feed(data, header, final, sequences, bodies, /)\n--\n\n"
+             "Parse a piece of a binary COPY output, as copy_rows does the whole: the header first when\n"
+             "`header`, then the whole rows, appended to the lists. (consumed, need, ended): where the\n"
+             "unparsed rest of `data` starts, the bytes it takes at least from there to go on, and whether\n"
+             "the trailer was read. `final`: nothing follows `data`, so a row cut short is refused as\n"
+             "copy_rows refuses it. ValueError as copy_rows raises it.");
+
+static PyObject *copy_rows_feed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[3]) || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "copy_rows_feed(data, header, final, sequences: list, bodies: list)");
+        return NULL;
+    }
+    int header = PyObject_IsTrue(args[1]), final = PyObject_IsTrue(args[2]);
+    if (header < 0 || final < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    Py_ssize_t consumed, need;
+    int ended;
+    PyObject *result = NULL;
+    const char *fault = parse_copy(view.buf, view.len, header, final, args[3], args[4], &consumed, &need, &ended);
+    if (fault != NULL) {
+        PyErr_SetString(PyExc_ValueError, fault);
+    } else if (!PyErr_Occurred()) {
+        result = Py_BuildValue("(nnO)", consumed, need, ended ? Py_True : Py_False);
+    }
     PyBuffer_Release(&view);
     return result;
 }
@@ -723,6 +772,7 @@ static PyMethodDef methods[] = {
     {"scan_frames", (PyCFunction)(void (*)(void))scan_frames, METH_FASTCALL, scan_frames_doc},
     {"crc32c", crc32c_value, METH_O, crc32c_doc},
     {"copy_rows", copy_rows, METH_O, copy_rows_doc},
+    {"copy_rows_feed", (PyCFunction)(void (*)(void))copy_rows_feed, METH_FASTCALL, copy_rows_feed_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -113,6 +113,29 @@ async def test_store_honours_create_only(make_store: Callable[[], ArchiveStore])
     await make_store().probe_create_only()
 
 
+@pytest.mark.parametrize("size", [100, 3 << 20])  # written on the event loop, and in a thread
+async def test_a_directory_put_races_safely_and_leaves_only_whole_objects(tmp_path: Path, size: int) -> None:
+    """On a directory the store writes files itself (staging file, then a hard link): of puts of one
+    key at once, one creates it and the others find it; different bytes at once are one winner and
+    fork alarms; no staging file is left; a staging file a crash left behind is never listed or read."""
+    store = ArchiveStore.local(tmp_path)
+    key = f"{uuid.uuid4()}/segments/0"
+    data = bytes(range(256)) * (size // 256)
+    outcomes = await asyncio.gather(*(ArchiveStore.local(tmp_path).put(key, data) for _ in range(6)))
+    assert sorted(o.name for o in outcomes) == ["ALREADY_PRESENT"] * 5 + ["CREATED"]
+    other = f"{uuid.uuid4()}/segments/0"
+    raced = await asyncio.gather(*(store.put(other, data + bytes([n])) for n in range(4)), return_exceptions=True)
+    assert [type(r).__name__ for r in raced].count("PutOutcome") == 1
+    assert all(isinstance(r, PutOutcome | ForkAlarm) for r in raced)
+    winner = next(n for n, r in enumerate(raced) if isinstance(r, PutOutcome))
+    assert await store.get(other, max_bytes=len(data) + 1) == data + bytes([winner])
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["0", "0"]
+    (tmp_path / key).with_name("0#1234567890").write_bytes(b"half")  # a staging file's name
+    assert [o.key async for o in store.list(key.split("/")[0])] == [key]
+    with pytest.raises(ArchiveStoreError):  # not a key the archive writes: obstore refuses it
+        await store.get(key + "#1234567890")
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
 async def test_keys_must_be_plain_relative_paths(tmp_path: Path, key: str) -> None:
     with pytest.raises(ValueError):

@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.archiver import (
+    BATCH_GROWTH,
+    BATCH_SEGMENTS,
     FIRST_BATCH_SEGMENTS,
     STORE_BACKOFF,
     Archiver,
@@ -59,11 +61,13 @@ def signer_for(stack: Stack) -> SignerKey:
 @contextlib.asynccontextmanager
 async def archiving(stack: Stack, store: ArchiveStore, policy: SealPolicy, *, node_id: str = "arch-a",
                     signer: SignerKey | None = None,
-                    store_backoff: tuple[float, float] = STORE_BACKOFF) -> AsyncIterator[Archiver]:
+                    store_backoff: tuple[float, float] = STORE_BACKOFF,
+                    batch_segments: int = BATCH_SEGMENTS) -> AsyncIterator[Archiver]:
     """An archiver on the stack's bus and database, running for the block."""
     archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store,
                         signer=signer or signer_for(stack), node_id=node_id, policy=policy,
-                        sweep_interval=0.2, standby_interval=0.2, store_backoff=store_backoff)
+                        sweep_interval=0.2, standby_interval=0.2, store_backoff=store_backoff,
+                        batch_segments=batch_segments)
     await archiver.start()
     try:
         yield archiver
@@ -166,20 +170,21 @@ async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpo
     assert await store.head(checkpoint_key(lineage, 3)) is None
 
 
-async def test_a_backlog_is_caught_up_in_batches_that_double_from_two_segments(stack: Stack, tmp_path: Path) -> None:
-    """A cold start behind: the first batch is FIRST_BATCH_SEGMENTS segments, each one after it twice
-    the one before (up to the batch limit), and each batch is published under its own checkpoint."""
+async def test_a_backlog_is_caught_up_in_batches_that_grow_from_the_first_size(stack: Stack, tmp_path: Path) -> None:
+    """A cold start behind: the first batch is FIRST_BATCH_SEGMENTS segments, each one after it
+    BATCH_GROWTH times the one before, up to the batch limit, and each batch is published under its
+    own checkpoint."""
     store = local(tmp_path)
-    sequences = await write_messages(stack, 45)  # 15 segments of 3 events
-    async with archiving(stack, store, SealPolicy(events=3, seconds=3600)):
-        segs = await published(stack, 15)
-    assert [s["event_count"] for s in segs] == [3] * 15
+    sequences = await write_messages(stack, 123)  # 41 segments of 3 events
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=20):
+        segs = await published(stack, 41)
+    assert [s["event_count"] for s in segs] == [3] * 41
     assert [s["last_sequence"] for s in segs] == sequences[2::3]
     sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
         "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
-    # Batches of 2, 4 and 8 segments (6, 12 and 24 events), then the one segment left.
-    assert FIRST_BATCH_SEGMENTS == 2
-    assert sizes == [6, 18, 42, 45]
+    # Batches of 4, 16 and 20 (the limit, not 64) segments, then the one segment left.
+    assert (FIRST_BATCH_SEGMENTS, BATCH_GROWTH) == (4, 4)
+    assert sizes == [12, 60, 120, 123]
     for size in sizes:
         assert await store.head(checkpoint_key(stack.identity.lineage, size)) is not None
 

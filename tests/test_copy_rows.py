@@ -5,6 +5,8 @@ ValueError."""
 
 from __future__ import annotations
 
+import itertools
+
 import asyncpg
 import pytest
 
@@ -81,3 +83,51 @@ async def test_output_that_is_not_whole_is_refused_alike(conn: asyncpg.Connectio
     assert refusals(nulls) == ("binary COPY row whose second field is NULL",) * 2
     narrow = await copy_output(conn, "select sequence::integer, event from history where sequence < 100")
     assert refusals(narrow) == ("binary COPY row whose first field is not an 8-byte integer",) * 2
+
+
+def read_in_pieces(data: bytes, cuts: list[int], parser: str) -> tuple[list[int], list[bytes]]:
+    """``data`` fed to a CopyRowsReader in the pieces between ``cuts``, parsed in C or in Python."""
+    assert rows_module._native is not None
+    reader = rows_module.CopyRowsReader(python=parser == "python")
+    for lo, hi in itertools.pairwise([0, *cuts, len(data)]):
+        reader.feed(data[lo:hi])
+    return reader.finish()
+
+
+FEEDS = ["c", "python"]
+
+
+@pytest.mark.parametrize("parser", FEEDS)
+async def test_pieces_cut_anywhere_give_the_rows_of_the_whole(conn: asyncpg.Connection, parser: str) -> None:
+    data = await copy_output(conn, "select sequence, event from history where sequence < 100 order by sequence")
+    whole = parse_copy_rows(data)
+    for cut in range(len(data) + 1):  # two pieces, cut at every byte: the header, a row, the trailer
+        assert read_in_pieces(data, [cut], parser) == whole
+    assert read_in_pieces(data, list(range(1, len(data))), parser) == whole  # a byte at a time
+    long_row = await copy_output(conn, "select sequence, event from history order by sequence")
+    assert read_in_pieces(long_row, list(range(100, len(long_row), 997)), parser) == parse_copy_rows(long_row)
+
+
+@pytest.mark.parametrize("parser", FEEDS)
+async def test_pieces_are_refused_as_the_whole_is(conn: asyncpg.Connection, parser: str) -> None:
+    data = await copy_output(conn, "select sequence, event from history where sequence < 100 order by sequence")
+    three = await copy_output(conn, "select sequence, event, event from history where sequence < 100 order by sequence")
+    nulls = await copy_output(conn, "select sequence, maybe from history order by sequence")
+    bad = [data[:cut] for cut in range(0, len(data), 3)] + [data + b"\x00", three, nulls,
+                                                            b"PGCOPY\n\xff\r\n\x01" + data[11:]]
+    for output in bad:
+        whole = refusals(output)[0]
+        for cut in (1, 7, 19, 25, len(output) // 2, len(output) - 1):
+            with pytest.raises(ValueError) as caught:
+                read_in_pieces(output, [min(cut, len(output))], parser)
+            assert str(caught.value) == whole, (len(output), cut)
+    reader = rows_module.CopyRowsReader()  # a piece after the trailer
+    reader.feed(data)
+    with pytest.raises(ValueError, match="bytes after the binary COPY trailer"):
+        reader.feed(b"\x00")
+
+
+async def test_a_refused_output_leaves_the_connection_usable(conn: asyncpg.Connection) -> None:
+    with pytest.raises(ValueError, match="NULL"):
+        await copy_rows(conn, "select sequence, maybe from history order by sequence")
+    assert await conn.fetchval("select count(*) from history") == len(TEXTS)
