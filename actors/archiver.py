@@ -144,6 +144,10 @@ BATCH_GROWTH = 4
 STORE_CONCURRENCY = 8
 #: Pending private records captured per transaction.
 CAPTURE_BATCH = 500
+#: Seconds between two rounds of the private stream at most while the public one is behind.
+#: Measured on a 120,000-event catch-up: a private round after every public batch, each a few
+#: statements that found nothing to do, took about a twentieth of the time.
+PRIVATE_INTERVAL = 0.5
 #: Seconds between two counts of the archive's lag.
 MEASURE_INTERVAL = 1.0
 #: Lag counted row by row up to this many sequences; above it, the sequence difference (counting
@@ -504,7 +508,7 @@ class Archiver(Actor):
         self.log.info("archiver.active", store=self.store.description)
         backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
-        next_measure = loop.time()
+        next_measure = next_private = loop.time()
         # Read the first public batch while the store is probed and the first round starts.
         await guarded(session, self._read_first(session))
         while not self._stop_requested.is_set():
@@ -518,9 +522,12 @@ class Archiver(Actor):
                         # A restored history names its parent in the manifest (migration 0008's row).
                         self.parent_lineage = await session.conn.fetchval(
                             "select parent_lineage from corpus_provenance")
-                busy = False
-                for stream in (Stream.PUBLIC, Stream.PRIVATE):
-                    busy |= await guarded(session, self._round(session, stream))
+                busy = await guarded(session, self._round(session, Stream.PUBLIC))
+                # Behind on the public stream, the private one gets a round once a PRIVATE_INTERVAL
+                # (each costs a few statements even with nothing to do); caught up, every time.
+                if not busy or loop.time() >= next_private:
+                    busy |= await guarded(session, self._round(session, Stream.PRIVATE))
+                    next_private = loop.time() + PRIVATE_INTERVAL
                 if loop.time() >= next_measure:
                     # Counting the lag costs a scan of up to EXACT_LAG rows: once a second is plenty.
                     await guarded(session, self._measure(session))
