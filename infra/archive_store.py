@@ -264,7 +264,10 @@ class ArchiveStore:
         staging = path.with_name(f"{path.name}#{uuid.uuid4().int}")  # digits after "#": obstore's staging form
 
         def write() -> bool:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError as e:  # a file stands where a directory of the key must be
+                raise NotADirectoryError(f"{path.parent} is not a directory") from e
             try:
                 with staging.open("xb") as f:
                     f.write(data)

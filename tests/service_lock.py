@@ -41,10 +41,19 @@ class ServiceLock:
         # Opened on first use, not at import: collection alone (or --help) creates no files.
         if self._gate is None or self._lock is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            # 0o666 (before umask) so runs by other users on a shared machine can open them too.
-            self._gate = os.open(self.directory / "services.gate", os.O_RDWR | os.O_CREAT, 0o666)
-            self._lock = os.open(self.directory / "services.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            self._gate = self._open_shared(self.directory / "services.gate")
+            self._lock = self._open_shared(self.directory / "services.lock")
         return self._gate, self._lock
+
+    def _open_shared(self, path: Path) -> int:
+        """``path`` opened read-write (created if missing), then made readable and writable by
+        every user, whatever the umask, so that runs by other users of a shared machine can lock
+        it too (best effort: only its owner can change its mode, and the directory is sticky)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)
+            os.chmod(self.directory, 0o1777)
+        return fd
 
     @contextlib.contextmanager
     def held(self, *, exclusive: bool) -> Iterator[None]:

@@ -1,12 +1,18 @@
 """The archiver as real OS processes (its Procfile line) on PostgreSQL and RabbitMQ: a second archiver
 stays standby; ``kill -9`` of the active one mid-upload and then of its successor mid-verify; after
-each take-over every segment is in the store once, verified, linked, and exactly the history."""
+each take-over every segment is in the store once, verified, linked, and exactly the history.
+
+Both kills land at a known point, however fast or slow the machine: the first while the store
+refuses every upload (a file where a directory must be), the second while the successor's
+statement recording a verification waits at a gate the test holds (:class:`VerifyGate`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -55,6 +61,62 @@ async def kill_when(dep: Deployment, database_url: str, state: str) -> str:
         await conn.close()
 
 
+#: The advisory lock key of the verify gate (any number the product does not use).
+GATE_LOCK = 7_700_011
+
+
+class VerifyGate:
+    """A test-only trigger on ``archive_segments``: the statement that records segments verified
+    waits for an advisory lock this gate holds, then fails if its session is the one the gate was
+    poisoned with. So an archiver can be killed with its segments read back and checked but not yet
+    recorded verified, and what its dead session had sent is rolled back, not committed after its
+    death; its successor's statements pass."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def wait_until_held(self) -> int:
+        """Wait until a statement waits at the gate; the backend's process id."""
+        async with asyncio.timeout(WAIT):
+            while True:
+                pid = await self.conn.fetchval(
+                    "select pid from pg_locks where locktype = 'advisory' and not granted and objid = $1",
+                    GATE_LOCK)
+                if pid is not None:
+                    return int(pid)
+                await asyncio.sleep(0.01)
+
+    async def poison_and_open(self, pid: int) -> None:
+        """Open the gate, failing the statement of backend ``pid`` that waits at it."""
+        await self.conn.execute("update archive_test_gate set poisoned = $1", pid)
+        await self.conn.execute("select pg_advisory_unlock($1)", GATE_LOCK)
+
+
+@contextlib.asynccontextmanager
+async def verify_gate(database_url: str) -> AsyncIterator[VerifyGate]:
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(f"""
+            create table archive_test_gate (poisoned integer);
+            insert into archive_test_gate values (null);
+            create function archive_test_hold() returns trigger language plpgsql as $$
+            begin
+              perform pg_advisory_xact_lock({GATE_LOCK});
+              if (select poisoned from archive_test_gate) = pg_backend_pid() then
+                raise exception 'the archiver recording this was killed';
+              end if;
+              return new;
+            end $$;
+            create trigger archive_test_hold before update on archive_segments for each row
+              when (old.state = 'written' and new.state = 'verified') execute function archive_test_hold();
+            select pg_advisory_lock({GATE_LOCK});""")
+        yield VerifyGate(conn)
+    finally:
+        await conn.execute("drop trigger if exists archive_test_hold on archive_segments; "
+                           "drop function if exists archive_test_hold(); drop table if exists archive_test_gate")
+        await conn.close()
+
+
 async def all_published(database_url: str, expected: int) -> None:
     conn = await asyncpg.connect(database_url)
     try:
@@ -89,7 +151,7 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
     blocker = tmp_path / "archive" / str(lineage) / "segments"
     blocker.parent.mkdir(parents=True)
     blocker.write_bytes(b"not a directory\n")
-    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep, verify_gate(database_url) as gate:
         await dep.start("archiver", "arch-a", **env)
         await dep.start("archiver", "arch-b", **env)
         async with asyncio.timeout(WAIT):
@@ -107,9 +169,19 @@ async def test_kill_9_mid_upload_and_mid_verify_take_over_and_every_segment_is_w
         await dep.start("archiver", "arch-c", **env)
         await dep.processes["arch-c"].wait_for_line(r"archiver\.standby", timeout=WAIT)
 
-        assert await kill_when(dep, database_url, "written") == standby
+        # Mid-verify: the successor wrote its first batch, read it back and checked it, and waits
+        # at the gate to record it verified.
+        waiting = await gate.wait_until_held()
+        written = await gate.conn.fetchval("select count(*) from archive_segments where state = 'written'")
+        assert written and await gate.conn.fetchval(  # and history left to archive after them
+            "select (select max(sequence) from changes) > (select max(last_sequence) from archive_segments)")
+        dep.processes[standby].signal(signal.SIGKILL)
+        await dep.processes[standby].wait(timeout=WAIT)
+        await gate.poison_and_open(waiting)  # the dead session's statement fails: nothing it sent commits
         await dep.processes["arch-c"].wait_for_line(r"archiver\.active", timeout=WAIT)
         await all_published(database_url, CHANGES // 2)
+        # The batch the killed archiver had checked was verified again by its successor.
+        await dep.processes["arch-c"].wait_for_line(r"archiver\.verified\s.*\bindex=0\s.*stream=public", timeout=WAIT)
 
     store = ArchiveStore.local(tmp_path / "archive")
     conn = await asyncpg.connect(database_url)
