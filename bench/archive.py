@@ -1,11 +1,12 @@
 """The archiver against the raw cost of the same work, on the same database in the same run.
 
 Seeds a fresh database with ``--messages`` messages (``toastmachine dev seed``'s generator, about
-1.3 changes per message) and vacuums it, then measures ``--rounds`` times (default 5; the median is
-reported: on this machine kind the rounds that start within a minute or so of the seed archive
-slower, measured 0.34-0.43x against 0.47-0.54x later with the same code),
-each round on its own copy of that database whose history is first read once untimed (the same
-warm cache for both sides), in events per second:
+1.3 changes per message) and vacuums it, then runs ``--warmup`` rounds (default 1; printed, not counted) and
+measures ``--rounds`` times (default 5; the median is reported). On this machine kind, rounds that
+start within a minute or so of the seed archive slower (measured 0.34-0.43x against 0.47-0.54x
+later, the same code), so the rounds counted start after a warm-up round that does the same work.
+Each round runs on its own copy of that database, whose history is first read once untimed (the
+same warm cache for both sides), and measures, in events per second:
 
 - **raw**: ``COPY (select sequence, event from changes order by sequence) TO STDOUT`` and one
   ``hashlib.sha256`` per row: reading and hashing the history with nothing else;
@@ -30,7 +31,7 @@ warm cache for both sides), in events per second:
 Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
 
 Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
-[--rounds N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
+[--rounds N] [--warmup N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
 (the DSN is a server's maintenance database: databases of its own are created and dropped).
 """
 
@@ -254,6 +255,7 @@ async def main() -> None:
     parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=5, help="rate rounds (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first and printed, not counted")
     parser.add_argument("--amqp-url", default=os.environ.get("TOASTMACHINE_TEST_AMQP_URL",
                                                              "amqp://guest:guest@127.0.0.1:5672/"))
     parser.add_argument("--lag-rate", type=float, default=200.0, help="writes/s during the lag phase")
@@ -331,10 +333,13 @@ async def rates(args: argparse.Namespace) -> None:
         finally:
             await db.close()  # a template has no session open
         rounds: list[Round] = []
-        for n in range(args.rounds):
-            rounds.append(await one_round(args.dsn, name))
-            r = rounds[-1]
-            print(f"round {n + 1}: raw {r.rate('raw'):,.0f}  archive {r.rate('archive'):,.0f} "
+        for n in range(args.warmup + args.rounds):
+            r = await one_round(args.dsn, name)
+            counted = n >= args.warmup
+            if counted:
+                rounds.append(r)
+            label = f"round {n + 1 - args.warmup}" if counted else f"warm-up round {n + 1} (not counted)"
+            print(f"{label}: raw {r.rate('raw'):,.0f}  archive {r.rate('archive'):,.0f} "
                   f"({r.ratio('archive'):.2f}x)  verify {r.rate('verify'):,.0f} ({r.ratio('verify'):.2f}x) events/s",
                   flush=True)
     median = sorted(rounds, key=lambda r: r.ratio("archive"))[len(rounds) // 2]
