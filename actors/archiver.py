@@ -518,6 +518,7 @@ class Archiver(Actor):
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
                     self._probed = True
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
+                    await self.store.sync([public_key_key(self._lineage)])
                     if self.parent_lineage is None:
                         # A restored history names its parent in the manifest (migration 0008's row).
                         self.parent_lineage = await session.conn.fetchval(
@@ -809,6 +810,7 @@ class Archiver(Actor):
     async def _write(self, conn: Any, batch: list[_Encoded]) -> None:
         """Put a batch's segments (create-only, a few at a time), then record them written at once."""
         outcomes = await _store_all([functools.partial(self.store.put, self._key(e.sealed), e.data) for e in batch])
+        await self.store.sync([self._key(e.sealed) for e in batch])  # on disk before it is recorded written
         for outcome in outcomes:
             self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
         stream = batch[0].sealed.stream
@@ -852,6 +854,7 @@ class Archiver(Actor):
                 self.log.error("archiver.segment_missing", key=key, detail="writing it again")
                 (encoded,) = await self._reencode(conn, [row])
                 await self.store.put(key, encoded.data)
+                await self.store.sync([key])
                 written[row.index] = encoded.data
                 data = await self.store.get(key)
             datas.append(data)
@@ -914,6 +917,7 @@ class Archiver(Actor):
                                 r["size"], bytes(r["hash"]).hex()) for r in listed))
             validate_manifest(manifest)
             await self.store.replace(manifest_key(self._lineage), encode_manifest(manifest))
+        await self.store.sync([key, manifest_key(self._lineage)] if stream is Stream.PUBLIC else [key])
         await conn.execute(
             "with checkpoint as (insert into archive_checkpoints (stream, tree_size, root, note) "
             "values ($1, $2, $3, $4) on conflict do nothing), "

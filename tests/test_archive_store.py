@@ -113,6 +113,25 @@ async def test_store_honours_create_only(make_store: Callable[[], ArchiveStore])
     await make_store().probe_create_only()
 
 
+async def test_sync_makes_puts_durable_and_names_a_vanished_object(make_store: Callable[[], ArchiveStore],
+                                                                   tmp_path: Path) -> None:
+    """``sync`` after puts succeeds on every store (on S3 there is nothing to do); on a directory,
+    an object gone before its sync is ObjectNotFound (it cannot be made durable)."""
+    store = make_store()
+    lineage = uuid.uuid4()
+    keys = [f"{lineage}/segments/{n}" for n in range(3)] + [f"{lineage}/checkpoints/1"]
+    for key in keys:
+        await store.put(key, key.encode())
+    await store.replace(f"{lineage}/manifest.json", b"{}")
+    await store.sync([*keys, f"{lineage}/manifest.json"])
+    assert [await store.get(k) for k in keys] == [k.encode() for k in keys]
+    local = ArchiveStore.local(tmp_path / "synced")
+    await local.put("a/b", b"x")
+    (tmp_path / "synced" / "a" / "b").unlink()
+    with pytest.raises(ObjectNotFound):
+        await local.sync(["a/b"])
+
+
 @pytest.mark.parametrize("size", [100, 3 << 20])  # written on the event loop, and in a thread
 async def test_a_directory_put_races_safely_and_leaves_only_whole_objects(tmp_path: Path, size: int) -> None:
     """On a directory the store writes files itself (staging file, then a hard link): of puts of one

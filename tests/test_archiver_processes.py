@@ -112,9 +112,13 @@ async def verify_gate(database_url: str) -> AsyncIterator[VerifyGate]:
             select pg_advisory_lock({GATE_LOCK});""")
         yield VerifyGate(conn)
     finally:
-        await conn.execute("drop trigger if exists archive_test_hold on archive_segments; "
-                           "drop function if exists archive_test_hold(); drop table if exists archive_test_gate")
-        await conn.close()
+        try:
+            # Open the gate first: a statement still waiting at it holds a lock the drop needs.
+            await conn.execute("select pg_advisory_unlock_all()")
+            await conn.execute("drop trigger if exists archive_test_hold on archive_segments; "
+                               "drop function if exists archive_test_hold(); drop table if exists archive_test_gate")
+        finally:
+            await conn.close()
 
 
 async def all_published(database_url: str, expected: int) -> None:

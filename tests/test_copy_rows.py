@@ -113,7 +113,9 @@ async def test_pieces_are_refused_as_the_whole_is(conn: asyncpg.Connection, pars
     data = await copy_output(conn, "select sequence, event from history where sequence < 100 order by sequence")
     three = await copy_output(conn, "select sequence, event, event from history where sequence < 100 order by sequence")
     nulls = await copy_output(conn, "select sequence, maybe from history order by sequence")
-    bad = [data[:cut] for cut in range(0, len(data), 3)] + [data + b"\x00", three, nulls,
+    # A length past 2**31 - 1 (negative as PostgreSQL's int32): refused as soon as it is read.
+    huge = data[:19] + b"\x00\x02" + b"\x00\x00\x00\x08" + (1).to_bytes(8, "big") + b"\x80\x00\x00\x00" + b"x" * 40
+    bad = [data[:cut] for cut in range(0, len(data), 3)] + [data + b"\x00", three, nulls, huge,
                                                             b"PGCOPY\n\xff\r\n\x01" + data[11:]]
     for output in bad:
         whole = refusals(output)[0]
@@ -121,6 +123,10 @@ async def test_pieces_are_refused_as_the_whole_is(conn: asyncpg.Connection, pars
             with pytest.raises(ValueError) as caught:
                 read_in_pieces(output, [min(cut, len(output))], parser)
             assert str(caught.value) == whole, (len(output), cut)
+    for python in (False, True):  # refused at once, not held until the end
+        reader = rows_module.CopyRowsReader(python=python)
+        with pytest.raises(ValueError, match="runs past the end"):
+            reader.feed(huge)
     reader = rows_module.CopyRowsReader()  # a piece after the trailer
     reader.feed(data)
     with pytest.raises(ValueError, match="bytes after the binary COPY trailer"):

@@ -106,7 +106,8 @@ class CopyRowsReader:
     Each piece is parsed when it comes (a row cut between two pieces waits for the rest), so the
     output is never joined into one string: joining a 16 MiB batch, then copying each event out of
     it, was about a third of the event loop's time in the archiver (measured with py-spy on a
-    120,000-event catch-up). Refuses what :func:`parse_copy_rows` refuses, with the same ValueError.
+    120,000-event catch-up). Refuses what :func:`parse_copy_rows` refuses, with the same ValueError;
+    a reader that refused is done (feeding it more is meaningless).
     """
 
     def __init__(self, *, python: bool = False) -> None:
