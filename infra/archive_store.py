@@ -7,7 +7,8 @@ local directory and any S3-compatible server take the same code path:
   that directory; ``s3://bucket[/prefix]``: that bucket, with endpoint, region and credentials from
   ``TOASTMACHINE_ARCHIVE_S3_*`` (else obstore's defaults, i.e. the ``AWS_*`` environment).
 - :meth:`ArchiveStore.put` is create-only (S3 ``If-None-Match: *``; obstore's exclusive create on a
-  directory, done here as obstore does it: see :meth:`ArchiveStore._create_file`). When the key exists, the stored bytes are fetched and compared: identical is success
+  directory, done here as obstore does it: see :meth:`ArchiveStore._create_file`). When the key
+  exists, the stored bytes are fetched and compared: identical is success
   (a retried upload after a crash), different raises :class:`ForkAlarm`, which the archiver must treat as
   fatal: two histories are claiming the same name.
 - :meth:`ArchiveStore.replace` overwrites, and exists only for the derived ``manifest.json``.
@@ -292,11 +293,11 @@ class ArchiveStore:
 
     async def _create_file(self, key: str, data: bytes) -> bool:
         """:meth:`put` on a directory, as obstore's local store does it: the bytes go to a staging
-        file beside the key (named ``<name>#<random digits>``, the form obstore's own staging files have, which its listings skip), which is then hard-linked
-        to the key; the link fails when the key exists, so a file at a key is always whole and never
-        replaced. True when created, False when the key existed. Measured on a 120 MB catch-up,
-        obstore's local put cost twice the CPU of this (the archiver writes every segment once).
-        A small file is written on the event loop, a larger one in a thread, as :meth:`_read_file` reads."""
+        file beside the key, named ``<name>#<random digits>`` (the form of obstore's own staging
+        files, which its listings skip), then hard-linked to the key; the link fails when the key
+        exists, so a file at a key is always whole and never replaced. True when created, False
+        when the key existed. A small file is written on the event loop, a larger one in a thread,
+        as :meth:`_read_file` reads."""
         assert self._directory is not None
         path = self._directory / key
         staging = path.with_name(f"{path.name}#{uuid.uuid4().int}")  # digits after "#": obstore's staging form

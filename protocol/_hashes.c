@@ -5,7 +5,7 @@
  * and the archiver and every verifier make two or three such digests per archived event. Here one
  * call hashes a whole list (and large lists are hashed without the GIL: see RELEASE_GIL_ABOVE).
  *
- * It also parses the archiver's batch reads (copy_rows: PostgreSQL binary COPY rows of a sequence and
+ * It also parses the archiver's batch reads (copy_rows_feed: PostgreSQL binary COPY rows of a sequence and
  * an event's bytes; infra/db/copy_rows.py), where one asyncpg Record per event cost more than the
  * bytes themselves.
  *
@@ -692,42 +692,16 @@ static const char *parse_copy(const unsigned char *data, Py_ssize_t n, int heade
     }
 }
 
-PyDoc_STRVAR(copy_rows_doc,
-             "copy_rows(data, /)\n--\n\n"
-             "(sequences, bodies) of a whole PostgreSQL binary COPY output whose rows are (bigint, text or\n"
-             "bytea), neither NULL: the signature, flags and header extension, then each row's field count\n"
-             "(2), a 4-byte length and 8-byte big-endian integer, a 4-byte length and that many bytes, then\n"
-             "the trailer (-1) and nothing after it. ValueError naming the first thing that is not so.");
-
-static PyObject *copy_rows(PyObject *Py_UNUSED(module), PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    PyObject *sequences = PyList_New(0), *bodies = PyList_New(0), *result = NULL;
-    if (sequences != NULL && bodies != NULL) {
-        Py_ssize_t consumed, need;
-        int ended;
-        const char *fault = parse_copy(view.buf, view.len, 1, 1, sequences, bodies, &consumed, &need, &ended);
-        if (fault != NULL) {
-            PyErr_SetString(PyExc_ValueError, fault);
-        } else if (!PyErr_Occurred()) {
-            result = PyTuple_Pack(2, sequences, bodies);
-        }
-    }
-    Py_XDECREF(sequences);
-    Py_XDECREF(bodies);
-    PyBuffer_Release(&view);
-    return result;
-}
-
 PyDoc_STRVAR(copy_rows_feed_doc,
              "copy_rows_feed(data, header, final, sequences, bodies, /)\n--\n\n"
-             "Parse a piece of a binary COPY output, as copy_rows does the whole: the header first when\n"
-             "`header`, then the whole rows, appended to the lists. (consumed, need, ended): where the\n"
+             "Parse a piece of a PostgreSQL binary COPY output whose rows are (bigint, text or bytea),\n"
+             "neither NULL: the header first when `header`, then the whole rows, appended to the lists. (consumed, need, ended): where the\n"
              "unparsed rest of `data` starts, the bytes it takes at least from there to go on, and whether\n"
-             "the trailer was read. `final`: nothing follows `data`, so a row cut short is refused as\n"
-             "copy_rows refuses it. ValueError as copy_rows raises it.");
+             "the trailer was read. `final`: nothing follows `data`, so a row cut short is refused.\n"
+             "ValueError naming the first thing that is not a binary COPY output of such rows: the\n"
+             "signature, flags and header extension, then each row's field count (2), a 4-byte length and\n"
+             "8-byte big-endian integer, a 4-byte length and that many bytes, then the trailer (-1) and\n"
+             "nothing after it.");
 
 static PyObject *copy_rows_feed(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[3]) || !PyList_Check(args[4])) {
@@ -774,7 +748,6 @@ static PyMethodDef methods[] = {
     {"build_segment", (PyCFunction)(void (*)(void))build_segment, METH_FASTCALL, build_segment_doc},
     {"scan_frames", (PyCFunction)(void (*)(void))scan_frames, METH_FASTCALL, scan_frames_doc},
     {"crc32c", crc32c_value, METH_O, crc32c_doc},
-    {"copy_rows", copy_rows, METH_O, copy_rows_doc},
     {"copy_rows_feed", (PyCFunction)(void (*)(void))copy_rows_feed, METH_FASTCALL, copy_rows_feed_doc},
     {NULL, NULL, 0, NULL},
 };

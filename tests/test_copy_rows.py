@@ -48,7 +48,7 @@ async def test_binary_copy_gives_the_rows_a_query_gives(conn: asyncpg.Connection
     sequences, bodies = await copy_rows(conn, query)
     assert list(zip(sequences, bodies, strict=True)) == expected
     data = await copy_output(conn, query)
-    assert rows_module._parse_python(data) == parse_copy_rows(data) == (sequences, bodies)
+    assert parse_copy_rows(data, python=True) == parse_copy_rows(data) == (sequences, bodies)
     assert rows_module._native is not None  # the C parser is the one the archiver runs here
 
 
@@ -60,9 +60,9 @@ def refusals(data: bytes) -> tuple[str, str]:
     """The ValueError text of both parsers for ``data``."""
     assert rows_module._native is not None
     texts = []
-    for parse in (rows_module._native.copy_rows, rows_module._parse_python):
+    for python in (False, True):
         with pytest.raises(ValueError) as caught:
-            parse(data)
+            parse_copy_rows(data, python=python)
         texts.append(str(caught.value))
     return texts[0], texts[1]
 

@@ -84,29 +84,13 @@ def _feed(data: bytes, header: bool, final: bool, sequences: list[int],
     return _feed_python(data, header, final, sequences, bodies)
 
 
-def _parse_python(data: bytes) -> tuple[list[int], list[bytes]]:
-    """What the C extension's ``copy_rows`` returns (and the ValueError it raises), in Python."""
-    sequences: list[int] = []
-    bodies: list[bytes] = []
-    _feed_python(data, True, True, sequences, bodies)
-    return sequences, bodies
-
-
-def parse_copy_rows(data: bytes) -> tuple[list[int], list[bytes]]:
-    """The (integers, byte strings) of a binary COPY output of ``(bigint, text or bytea)`` rows;
-    ValueError when ``data`` is not exactly that."""
-    if _native is not None:
-        return _native.copy_rows(data)
-    return _parse_python(data)
-
-
 class CopyRowsReader:
     """The rows of a binary COPY output parsed piece by piece, as the pieces arrive.
 
     Each piece is parsed when it comes (a row cut between two pieces waits for the rest), so the
     output is never joined into one string: joining a 16 MiB batch, then copying each event out of
     it, was about a third of the event loop's time in the archiver (measured with py-spy on a
-    120,000-event catch-up). Refuses what :func:`parse_copy_rows` refuses, with the same ValueError;
+    120,000-event catch-up). Refuses what a parse of the whole output refuses, with the same ValueError;
     a reader that refused is done (feeding it more is meaningless).
     """
 
@@ -141,6 +125,14 @@ class CopyRowsReader:
         """The rows, once the whole output was fed; ValueError when it was not whole."""
         self.feed(b"", final=True)
         return self.sequences, self.bodies
+
+
+def parse_copy_rows(data: bytes, *, python: bool = False) -> tuple[list[int], list[bytes]]:
+    """The (integers, byte strings) of a whole binary COPY output of ``(bigint, text or bytea)``
+    rows; ValueError when ``data`` is not exactly that. ``python``: as :class:`CopyRowsReader`."""
+    reader = CopyRowsReader(python=python)
+    reader.feed(data, final=True)
+    return reader.finish()
 
 
 async def copy_rows(conn: Any, query: str) -> tuple[list[int], list[bytes]]:
