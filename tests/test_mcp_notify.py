@@ -50,7 +50,7 @@ from tests.deployment import WAIT, Deployment, deployment
 from tests.sse import frames
 from tests.test_mcp_oauth import _INIT, _MCP_HEADERS, _free_port, _tokens, sdk_oauth_client
 from tests.test_mcp_process import _up_urls
-from tests.test_scale_out import logged, rabbitmqctl, until
+from tests.test_scale_out import broker_back, logged, rabbitmqctl, until
 
 CORPUS = "toastmachine://corpus"
 GUIDE = "toastmachine://guide"
@@ -278,7 +278,7 @@ async def test_broker_restart_while_listening_keeps_notifying(
                 await until(lambda: logged(mcp, "bus.connection_lost"), "the MCP node saw the broker go", timeout=20)
             finally:
                 await rabbitmqctl("start_app")
-                await rabbitmqctl("await_startup")
+                await broker_back()
             await until(lambda: logged(mcp, "bus.reconnected"), "the MCP node's bus reconnected", timeout=WAIT)
 
             sequence = await _write(http, web, agent, "after the restart")
