@@ -20,17 +20,20 @@ Two workloads, each measured for ``--seconds`` per side per round at ``--concurr
   ``POST /conversations/{id}/messages`` (a fresh Operation-Token per write on both sides; both go
   over ``tm.commands`` to the same writer process).
 
-MCP clients (``--client``): ``sdk`` (default), the official SDK's ``mcp.Client`` over its Streamable
-HTTP transport, one per agent, each with its own HTTP connection and its bearer token; in mode
-``--mode`` (``auto``, the default, negotiates 2026-07-28, stateless; ``legacy`` is the 2025-11-25
-initialize handshake and session). ``jsonrpc``: one ``httpx2`` client per agent posting the same
-2026-07-28 JSON-RPC ``tools/call`` requests the SDK client sends, without the SDK. The SDK client
-re-validates every structured result against the tool's output schema with ``jsonschema``: for a
-50-message ``get_messages`` result that is about 9 ms of CPU on its own (some 700 subschema descents;
-timed outside the bench on a 2-CPU machine), about three quarters of this process's samples under
-py-spy, and it keeps this process at one full CPU, so with ``sdk`` the ``get_messages`` rate is that of
-the client (some 50-100 calls/s there), whatever the server does; ``jsonrpc`` measures the server.
-The HTTP API's clients are one aiohttp session.
+MCP clients (``--client``), 32 concurrent MCP clients over Streamable HTTP either way:
+
+- ``jsonrpc`` (default, the judged figure): each agent posts the 2026-07-28 JSON-RPC ``tools/call``
+  requests the SDK client sends (same headers, same ``_meta``), with its own bearer token, on the HTTP
+  side's own ``aiohttp`` session, and parses each answer for a JSON-RPC or tool error. Both sides then
+  share one client stack, so the ratio compares the two fronts, not two client libraries.
+- ``sdk``: the official SDK's ``mcp.Client`` over its Streamable HTTP transport, one per agent, each with
+  its own HTTP connection and its bearer token; in mode ``--mode`` (``auto``, the default, negotiates
+  2026-07-28, stateless; ``legacy`` is the 2025-11-25 initialize handshake and session). Reported, not
+  judged: after every call that client re-validates the structured result against the tool's output
+  schema with ``jsonschema`` (compiled once, then about 750 subschema descents for a 50-message
+  ``get_messages`` result: some 10 ms of CPU per call on a 2-CPU machine), so one bench process at one
+  full CPU tops out near 80-100 calls/s whatever the server does; that is the client's cost, and the
+  HTTP side's client validates nothing.
 
 Then token verification in isolation: the MCP front's verifier (``ProviderTokenVerifier`` over
 :class:`actors.mcp.oauth.OAuthStore`, what its bearer middleware calls on every request; built here
@@ -237,23 +240,24 @@ class SdkClients:
 
 
 class JsonRpcClients:
-    """One ``httpx2`` client per agent posting 2026-07-28 ``tools/call`` requests itself (no SDK)."""
+    """2026-07-28 ``tools/call`` requests posted without the SDK, on the HTTP side's own aiohttp session.
 
-    def __init__(self, url: str, tokens: list[str], agents: list[Agent], size: int) -> None:
-        self.url, self.tokens, self.agents, self.size = url, tokens, agents, size
-        self.clients: list[httpx2.AsyncClient] = []
+    The same client stack as the HTTP API's side (one ``aiohttp.ClientSession``, its connection pool):
+    the two sides then differ only by the protocol and the front that serves it. Each agent sends its
+    own bearer token.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, tokens: list[str], agents: list[Agent],
+                 size: int) -> None:
+        self.session, self.url, self.agents, self.size = session, url, agents, size
+        self.headers = [{"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream",
+                         "Content-Type": "application/json", MCP_PROTOCOL_VERSION_HEADER: MODERN_VERSION,
+                         MCP_METHOD_HEADER: "tools/call"} for token in tokens]
         self.accepted = 0
 
     @contextlib.asynccontextmanager
     async def connected(self) -> AsyncIterator[None]:
-        async with contextlib.AsyncExitStack() as stack:
-            for token in self.tokens:
-                self.clients.append(await stack.enter_async_context(httpx2.AsyncClient(
-                    timeout=60, headers={"Authorization": f"Bearer {token}",
-                                         "Accept": "application/json, text/event-stream",
-                                         "Content-Type": "application/json",
-                                         MCP_PROTOCOL_VERSION_HEADER: MODERN_VERSION})))
-            yield
+        yield  # the session is the HTTP side's, opened and closed by run()
 
     async def _call(self, i: int, n: int, tool: str, arguments: dict[str, Any]) -> str | None:
         body = {"jsonrpc": "2.0", "id": n, "method": "tools/call",
@@ -261,11 +265,11 @@ class JsonRpcClients:
                            "_meta": {PROTOCOL_VERSION_META_KEY: MODERN_VERSION,
                                      CLIENT_INFO_META_KEY: {"name": "bench/mcp.py", "version": "1"},
                                      CLIENT_CAPABILITIES_META_KEY: {}}}}
-        r = await self.clients[i].post(self.url, content=orjson.dumps(body),
-                                       headers={MCP_METHOD_HEADER: "tools/call", MCP_NAME_HEADER: tool})
-        if r.status_code != 200:
-            return str(r.status_code)
-        data = r.content
+        async with self.session.post(self.url, data=orjson.dumps(body),
+                                     headers={**self.headers[i], MCP_NAME_HEADER: tool}) as r:
+            data = await r.read()
+        if r.status != 200:
+            return str(r.status)
         if r.headers.get("content-type", "").startswith("text/event-stream"):
             data = next((line[5:] for line in data.splitlines() if line.startswith(b"data:")), b"{}")
         answer = orjson.loads(data)
@@ -378,7 +382,8 @@ class Report:
 
     def print(self) -> None:
         args = self.args
-        client = f"SDK mcp.Client, mode {args.mode}" if args.client == "sdk" else "httpx2 JSON-RPC, 2026-07-28"
+        client = (f"SDK mcp.Client, mode {args.mode}" if args.client == "sdk"
+                  else "JSON-RPC 2026-07-28 on the HTTP side's aiohttp session")
         print(f"{args.concurrency} agents, one call in flight each; {args.seconds:g} s per side per round, "
               f"median of {args.rounds} alternating rounds; MCP clients: {client}")
         print(f"{'workload':<16}{'side':<6}{'calls/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'server CPU ms/call':>20}"
@@ -472,7 +477,7 @@ async def run(args: argparse.Namespace) -> Report:
                 api = HttpApi(http_side)
                 mcp: SdkClients | JsonRpcClients = (
                     SdkClients(mcp_url, tokens, agents, args.size, args.mode) if args.client == "sdk"
-                    else JsonRpcClients(mcp_url, tokens, agents, args.size))
+                    else JsonRpcClients(session, mcp_url, tokens, agents, args.size))
                 pids = {name: p.proc.pid for name, p in procs.items()} | {"bench": os.getpid()}
                 async with mcp.connected():
                     for workload in args.workloads:
@@ -513,7 +518,8 @@ async def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
     parser.add_argument("--prefill", type=int, default=60, help="messages each agent's conversation starts with")
     parser.add_argument("--size", type=int, default=100, help="characters of message content")
-    parser.add_argument("--client", choices=("sdk", "jsonrpc"), default="sdk")
+    parser.add_argument("--client", choices=("jsonrpc", "sdk"), default="jsonrpc",
+                        help="MCP clients: a thin JSON-RPC client (judged) or the official SDK's mcp.Client")
     parser.add_argument("--mode", choices=("auto", "legacy"), default="auto",
                         help="the SDK client's mode: auto negotiates 2026-07-28; legacy the 2025-11-25 handshake")
     parser.add_argument("--workload", dest="workloads", action="append", choices=WORKLOADS,
