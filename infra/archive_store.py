@@ -119,6 +119,10 @@ _PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 #: thread. Measured on a 120,000-event catch-up, writing every 0.5 MiB segment in a thread instead
 #: was slower: each hand-off to a thread and back costs more than the write it moves.
 _READ_INLINE = 1 << 20
+#: Threads a directory store's sync spreads its files' fsyncs over: concurrent fsyncs share the
+#: filesystem journal's commits. Measured on a 120,000-event catch-up (3 rounds each): the syncs
+#: took 0.85-0.97 s in one thread, 0.64-0.84 s in four.
+SYNC_LANES = 4
 
 
 def _check_key(key: str) -> None:
@@ -259,10 +263,10 @@ class ArchiveStore:
         return data
 
     async def sync(self, keys: list[str]) -> None:
-        """Make the objects under ``keys`` durable: on a directory, each file and the directories
-        holding them are flushed to disk (fsync), in one thread for the lot, before the caller
-        records them written or published; on S3 a put is durable once answered, so nothing to do.
-        Measured here: about 0.12 s for 125 MB in 250 files.
+        """Make the objects under ``keys`` durable: on a directory, each file and then the directories
+        holding them are flushed to disk (fsync), the files over :data:`SYNC_LANES` threads, before
+        the caller records them verified or published; on S3 a put is durable once answered, so
+        nothing to do. Measured here: about 0.12 s for 125 MB in 250 files on an idle disk.
         ObjectNotFound when a key has no object."""
         if self._directory is None or not keys:
             return
@@ -270,22 +274,20 @@ class ArchiveStore:
             _check_key(key)
         directory = self._directory
 
-        def flush() -> None:
-            for path in [directory / key for key in keys]:
+        def flush_files(paths: list[Path]) -> None:
+            for path in paths:
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            for parent in sorted({(directory / key).parent for key in keys}):
-                fd = os.open(parent, os.O_RDONLY)  # the links' directory entries
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
 
+        paths = [directory / key for key in keys]
+        parents = sorted({path.parent for path in paths})  # the links' directory entries
         try:
-            await asyncio.to_thread(flush)
+            await asyncio.gather(*(asyncio.to_thread(flush_files, paths[lane::SYNC_LANES])
+                                   for lane in range(min(SYNC_LANES, len(paths)))))
+            await asyncio.to_thread(flush_files, parents)
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(f"archive store ({self.description}): an object to sync is gone") from None
         except OSError as e:

@@ -189,6 +189,80 @@ async def test_a_backlog_is_caught_up_in_batches_that_grow_from_the_first_size(s
         assert await store.head(checkpoint_key(stack.identity.lineage, size)) is not None
 
 
+class _Hooked(ArchiveStore):
+    """A directory store that runs ``before_get`` / ``before_put`` (given the key) before the real call:
+    a test's way to pick the moment a real fault happens to the files."""
+
+    before_get: Callable[[str], None] = staticmethod(lambda key: None)
+    before_put: Callable[[str], None] = staticmethod(lambda key: None)
+
+    async def get(self, key: str, **kwargs: Any) -> bytes:
+        self.before_get(key)
+        return await super().get(key, **kwargs)
+
+    async def put(self, key: str, data: bytes) -> Any:
+        self.before_put(key)
+        return await super().put(key, data)
+
+
+async def _caught_up_intact(stack: Stack, store: ArchiveStore, sequences: list[int], count: int) -> None:
+    """Every event in ``count`` published segments, read back whole, under checkpoints that each
+    extend the one before."""
+    segs = await published(stack, count)
+    assert [s["state"] for s in segs] == ["published"] * count
+    decoded = await read_archive(store, stack.identity.lineage)
+    assert [e.sequence for seg in decoded for e in seg.events] == sequences
+    sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
+        "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == len(sequences)
+
+
+async def test_a_segment_gone_before_its_read_back_is_written_again_while_the_next_batch_goes_on(
+        stack: Stack, tmp_path: Path) -> None:
+    """Behind, a batch is read back while the next one is sealed and put. A segment of it removed
+    from the directory just before its read-back (a real unlink) is written again from the history,
+    and everything is published."""
+    store = _Hooked.local(tmp_path / "archive")
+    sequences = await write_messages(stack, 60)  # 20 segments of 3: batches of 4 and 16
+    removed: list[str] = []
+
+    def unlink_first_of_second_batch(key: str) -> None:
+        parsed = parse_segment_key(key)
+        if parsed is not None and parsed.index == FIRST_BATCH_SEGMENTS and not removed:
+            (tmp_path / "archive" / key).unlink()
+            removed.append(key)
+
+    store.before_get = unlink_first_of_second_batch
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=16):
+        await _caught_up_intact(stack, store, sequences, 20)
+    assert len(removed) == 1 and await store.head(removed[0]) is not None
+
+
+async def test_a_put_failing_while_the_batch_before_is_read_back_loses_nothing(stack: Stack, tmp_path: Path) -> None:
+    """The put of the next batch fails (a directory stands at its key: the store reports it present,
+    then unreadable) while the batch before is being read back: that read-back is dropped, the
+    archiver backs off, and the next round verifies both from the recorded states."""
+    store = _Hooked.local(tmp_path / "archive")
+    sequences = await write_messages(stack, 60)
+    blocked: list[Path] = []
+
+    def occupy_once(key: str) -> None:
+        parsed = parse_segment_key(key)
+        path = tmp_path / "archive" / key
+        if blocked and path == blocked[0]:
+            path.rmdir()  # the second attempt finds the key free
+        elif parsed is not None and parsed.index == FIRST_BATCH_SEGMENTS + 4 and not blocked:
+            path.mkdir(parents=True)
+            blocked.append(path)
+
+    store.before_put = occupy_once
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=8,
+                         store_backoff=(0.05, 0.2)) as archiver:
+        await _caught_up_intact(stack, store, sequences, 20)
+        assert archiver.store_error is None
+    assert blocked and not blocked[0].is_dir()
+
+
 async def test_a_segment_seals_when_the_next_event_would_pass_the_byte_limit(stack: Stack, tmp_path: Path) -> None:
     store = local(tmp_path)
     await write_messages(stack, 8, content="x" * 700)
