@@ -557,6 +557,9 @@ class Archiver(Actor):
             try:
                 if not self._probed:
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
+                    if swept := await self.store.sweep_staging():
+                        self.log.info("archiver.staging_swept", files=swept,
+                                      detail="staging files a crash left behind, removed")
                     self._probed = True
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])

@@ -29,10 +29,12 @@ Not here yet: the archiver's back-off and retry policy around these calls (issue
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
 import os
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -119,6 +121,11 @@ _PLAIN_KEY = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 #: thread. Measured on a 120,000-event catch-up, writing every 0.5 MiB segment in a thread instead
 #: was slower: each hand-off to a thread and back costs more than the write it moves.
 _READ_INLINE = 1 << 20
+#: A staging file's name: an object's name, "#", digits (obstore's local store uses the same form).
+_STAGING_NAME = re.compile(r".+#[0-9]+")
+#: Seconds a staging file must have been left untouched before :meth:`ArchiveStore.sweep_staging`
+#: removes it.
+STAGING_MAX_AGE = 3600.0
 #: Threads a directory store's sync spreads its files' fsyncs over: concurrent fsyncs share the
 #: filesystem journal's commits. Measured on a 120,000-event catch-up (3 rounds each): the syncs
 #: took 0.85-0.97 s in one thread, 0.64-0.84 s in four.
@@ -365,6 +372,35 @@ class ArchiveStore:
                     yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta.get("e_tag"))
         except (BaseError, OSError) as e:
             raise self._failed("list", prefix or "(all)", e) from e
+
+    async def sweep_staging(self, older_than: float = STAGING_MAX_AGE) -> int:
+        """Remove the staging files (``<name>#<digits>``, see :meth:`_create_file_now`) that a crash
+        between writing one and linking it left behind, once older than ``older_than`` seconds (a
+        put's own lives for milliseconds, so a younger one may still be in use); the number removed.
+        Nothing to do on S3, whose puts leave nothing behind. Listings and reads skip these files
+        anyway: this only gives their space back."""
+        if self._directory is None:
+            return 0
+        directory = self._directory
+
+        def sweep() -> int:
+            cutoff = time.time() - older_than
+            removed = 0
+            for folder, _dirs, files in os.walk(directory):
+                for name in files:
+                    if not _STAGING_NAME.fullmatch(name):
+                        continue
+                    path = os.path.join(folder, name)
+                    with contextlib.suppress(FileNotFoundError):  # a put's own, just linked and removed
+                        if os.lstat(path).st_mtime < cutoff:
+                            os.unlink(path)
+                            removed += 1
+            return removed
+
+        try:
+            return await asyncio.to_thread(sweep)
+        except OSError as e:
+            raise self._failed("sweep", "staging files", e) from e
 
     async def probe_create_only(self) -> None:
         """Raise CreateOnlyIgnored unless a second create of the same key is refused.

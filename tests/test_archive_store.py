@@ -8,6 +8,8 @@ create-only probe, and configuration (URL forms, credentials that the server ref
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from infra.archive_store import (
+    STAGING_MAX_AGE,
     ArchiveStore,
     ArchiveStoreError,
     CreateOnlyIgnored,
@@ -153,6 +156,29 @@ async def test_a_directory_put_races_safely_and_leaves_only_whole_objects(tmp_pa
     assert [o.key async for o in store.list(key.split("/")[0])] == [key]
     with pytest.raises(ArchiveStoreError):  # not a key the archive writes: obstore refuses it
         await store.get(key + "#1234567890")
+
+
+async def test_staging_files_a_crash_left_are_swept_once_old(tmp_path: Path) -> None:
+    """Staging files older than the limit are removed, younger ones (a put may still be using them)
+    and every object are left; on S3 there is nothing to sweep."""
+    store = ArchiveStore.local(tmp_path)
+    lineage = str(uuid.uuid4())
+    await store.put(f"{lineage}/segments/0", b"segment")
+    await store.put("manifest-like", b"m")
+    old = [tmp_path / lineage / "segments" / "1#123", tmp_path / "probes#9"]
+    young = tmp_path / lineage / "segments" / "2#456"
+    for path in [*old, young]:
+        path.write_bytes(b"half")
+    for path in old:
+        os.utime(path, (time.time() - STAGING_MAX_AGE - 60,) * 2)
+    not_staging = tmp_path / lineage / "segments" / "3#x1"  # not the staging form: never touched
+    not_staging.write_bytes(b"?")
+    os.utime(not_staging, (time.time() - STAGING_MAX_AGE - 60,) * 2)
+    assert await store.sweep_staging() == 2
+    assert not any(p.exists() for p in old) and young.exists() and not_staging.exists()
+    assert await store.get(f"{lineage}/segments/0") == b"segment"
+    assert await store.sweep_staging() == 0
+    assert await store.sweep_staging(older_than=0) == 1 and not young.exists()
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])

@@ -403,6 +403,27 @@ async def test_the_private_stream_archives_agents_and_stored_answers(stack: Stac
 # --- the store -------------------------------------------------------------------------------------
 
 
+async def test_an_activation_sweeps_the_staging_files_a_crash_left(stack: Stack, tmp_path: Path) -> None:
+    """A staging file left by a crash between write and link (old enough) is removed when an archiver
+    becomes active; one that may still be in use by a put (young) is not."""
+    import os
+    import time
+
+    from infra.archive_store import STAGING_MAX_AGE
+
+    store = local(tmp_path)
+    segments_dir = tmp_path / "archive" / str(stack.identity.lineage) / "segments"
+    segments_dir.mkdir(parents=True)
+    stale, young = segments_dir / "00000000000000000000#42", segments_dir / "00000000000000000001#43"
+    for path in (stale, young):
+        path.write_bytes(b"half a segment")
+    os.utime(stale, (time.time() - STAGING_MAX_AGE - 1,) * 2)
+    await write_messages(stack, 2)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)):
+        await published(stack, 1)
+    assert not stale.exists() and young.exists()
+
+
 async def test_a_store_ignoring_create_only_writes_is_refused_at_start(stack: Stack) -> None:
     async with sloppy_s3() as sloppy, archiving(stack, sloppy, SealPolicy()) as archiver:
         error = await asyncio.wait_for(archiver.crashed(), WAIT)
