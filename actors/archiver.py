@@ -37,9 +37,10 @@ at once; behind, the checkpoints are fewer (each still extends the last).
    link, lineage, index and stream, and either compare it byte for byte with the bytes this process
    put (kept until then) or, for a segment written by an earlier run, walk its frames and CRC32Cs
    (:func:`protocol.archive.check_read_back`, :meth:`Archiver._check_now`): only then ``verified``.
-   Behind, this step of one batch overlaps the next round's seal and write: the read-back, check
-   and sync need no statement, so they run beside the next batch's on the lock session, and that
-   round records the batch verified (:meth:`Archiver._round`).
+   This step of one batch overlaps the next round's seal and write: the read-back, check and sync
+   need no statement, so they run beside the next batch's on the lock session, and that round
+   (which follows at once: the round that wrote a batch reports more to do) records the batch
+   verified (:meth:`Archiver._round`); a stopping instance records the one in flight first.
 5. **Publish**: sign a checkpoint of the stream's tree (``checkpoints/<size>``, kept for ever;
    private: ``private/checkpoints/<size>``, with the extension line ``private``), put the public key
    once, replace ``manifest.json`` (public stream), and mark the segments ``published``.
@@ -55,11 +56,13 @@ Single-active on the PostgreSQL advisory lock :data:`ARCHIVER_LOCK` with take-ov
 :mod:`infra.db.lock_session`); all lock-protected work runs on the lock's session. At its first
 activation it probes the store and refuses (crashes with :class:`~infra.archive_store.CreateOnlyIgnored`)
 one that ignores create-only writes. A store that is unreachable is retried with a back-off; nothing
-is marked verified without a successful read-back, and sealing stops until the backlog drains.
+is marked verified without a successful read-back, and sealing stops until the backlog drains
+(once the failure is seen: the batch after the one being read back may already be written).
 
 Memory: three batches' rows at most (the current one, the next one and the one after it; each at
-most ``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event), two of them encoded once more, the
-bytes of the batch being read back, plus the manifest.
+most ``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event), two of them encoded once more, and the
+batch being read back twice (the bytes put, kept for the comparison, and those read back), plus the
+manifest.
 
 Emits: archive objects and the manifest; the watermarks in ``archive_watermarks``.
 """
@@ -557,9 +560,10 @@ class Archiver(Actor):
             try:
                 if not self._probed:
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
-                    if swept := await self.store.sweep_staging():
-                        self.log.info("archiver.staging_swept", files=swept,
-                                      detail="staging files a crash left behind, removed")
+                    swept, left = await self.store.sweep_staging()
+                    if swept or left:
+                        self.log.info("archiver.staging_swept", removed=swept, left=left,
+                                      detail="staging files a crash left behind (left: not removable)")
                     self._probed = True
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])
@@ -598,6 +602,24 @@ class Archiver(Actor):
             await self._pause(min(self.sweep_interval, wait), session.lost, self._wake)
             if session.lost.is_set():
                 raise LockLost("the archiver's database session closed")
+        # Stopping: record the batches still being read back (within the stop's grace period), so a
+        # successor does not read them back again walking every frame.
+        try:
+            await guarded(session, self._finish_checking(session))
+        except ArchiveStoreError as e:
+            self.log.warning("archiver.stop_unverified", error=str(e),
+                             detail="left written; the next archiver verifies them")
+
+    async def _finish_checking(self, session: LockSession) -> None:
+        """Record verified, and publish, the batches whose read-back is in flight."""
+        for stream in list(self._checking):
+            checking = self._checking.pop(stream)
+            try:
+                await self._verified(session.conn, checking.rows, await checking.outcome(), checking.written)
+                await self._publish(session.conn, stream)
+            except BaseException:
+                checking.close()
+                raise
 
     @property
     def _lineage(self) -> uuid.UUID:
@@ -663,7 +685,7 @@ class Archiver(Actor):
     async def _round(self, session: LockSession, stream: Stream) -> bool:
         """Move ``stream`` one batch on; True when there may be more to do at once.
 
-        Behind, the rounds overlap: the batch written by the previous round is read back, checked
+        Rounds overlap: the batch written by the previous round is read back, checked
         and synced (:meth:`_check_stored`, store work only, no statement) while this round seals and
         puts the next one; then this round records the previous one verified and publishes it, and
         leaves its own batch being checked. The database always says where a batch is (sealed,

@@ -29,7 +29,6 @@ Not here yet: the archiver's back-off and retry policy around these calls (issue
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import hashlib
 import os
@@ -373,34 +372,41 @@ class ArchiveStore:
         except (BaseError, OSError) as e:
             raise self._failed("list", prefix or "(all)", e) from e
 
-    async def sweep_staging(self, older_than: float = STAGING_MAX_AGE) -> int:
-        """Remove the staging files (``<name>#<digits>``, see :meth:`_create_file_now`) that a crash
+    async def sweep_staging(self, older_than: float = STAGING_MAX_AGE) -> tuple[int, int]:
+        """Remove the staging files (``<name>#<digits>``, see :meth:`_create_file`) that a crash
         between writing one and linking it left behind, once older than ``older_than`` seconds (a
-        put's own lives for milliseconds, so a younger one may still be in use); the number removed.
-        Nothing to do on S3, whose puts leave nothing behind. Listings and reads skip these files
-        anyway: this only gives their space back."""
+        put's own lives for milliseconds, so a younger one may still be in use): ``(removed, left)``,
+        ``left`` counting the old ones that could not be removed (or folders not read). Never raises:
+        listings and reads skip these files anyway, so this only gives their space back and must
+        not hold anything up. Nothing to do on S3, whose puts leave nothing behind."""
         if self._directory is None:
-            return 0
+            return 0, 0
         directory = self._directory
 
-        def sweep() -> int:
+        def sweep() -> tuple[int, int]:
             cutoff = time.time() - older_than
-            removed = 0
-            for folder, _dirs, files in os.walk(directory):
+            removed = left = 0
+
+            def unreadable(_error: OSError) -> None:
+                nonlocal left
+                left += 1
+
+            for folder, _dirs, files in os.walk(directory, onerror=unreadable):
                 for name in files:
                     if not _STAGING_NAME.fullmatch(name):
                         continue
                     path = os.path.join(folder, name)
-                    with contextlib.suppress(FileNotFoundError):  # a put's own, just linked and removed
+                    try:
                         if os.lstat(path).st_mtime < cutoff:
                             os.unlink(path)
                             removed += 1
-            return removed
+                    except FileNotFoundError:  # a put's own, just linked and removed
+                        pass
+                    except OSError:
+                        left += 1
+            return removed, left
 
-        try:
-            return await asyncio.to_thread(sweep)
-        except OSError as e:
-            raise self._failed("sweep", "staging files", e) from e
+        return await asyncio.to_thread(sweep)
 
     async def probe_create_only(self) -> None:
         """Raise CreateOnlyIgnored unless a second create of the same key is refused.

@@ -174,11 +174,11 @@ async def test_staging_files_a_crash_left_are_swept_once_old(tmp_path: Path) -> 
     not_staging = tmp_path / lineage / "segments" / "3#x1"  # not the staging form: never touched
     not_staging.write_bytes(b"?")
     os.utime(not_staging, (time.time() - STAGING_MAX_AGE - 60,) * 2)
-    assert await store.sweep_staging() == 2
+    assert await store.sweep_staging() == (2, 0)
     assert not any(p.exists() for p in old) and young.exists() and not_staging.exists()
     assert await store.get(f"{lineage}/segments/0") == b"segment"
-    assert await store.sweep_staging() == 0
-    assert await store.sweep_staging(older_than=0) == 1 and not young.exists()
+    assert await store.sweep_staging() == (0, 0)
+    assert await store.sweep_staging(older_than=0) == (1, 0) and not young.exists()
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])

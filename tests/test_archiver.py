@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -212,9 +213,14 @@ async def _caught_up_intact(stack: Stack, store: ArchiveStore, sequences: list[i
     assert [s["state"] for s in segs] == ["published"] * count
     decoded = await read_archive(store, stack.identity.lineage)
     assert [e.sequence for seg in decoded for e in seg.events] == sequences
-    sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
-        "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
-    assert sizes == sorted(set(sizes)) and sizes[-1] == len(sequences)
+    leaves = fmt.leaf_hashes(decoded)
+    checkpoints = await stack.db.pool.fetch(
+        "select tree_size, root from archive_checkpoints where stream = 0 order by tree_size")
+    assert checkpoints[-1]["tree_size"] == len(sequences)
+    for row in checkpoints:  # each the root of the archived history up to its size
+        tree = CompactTree()
+        tree.extend(leaves[:row["tree_size"]])
+        assert tree.root() == bytes(row["root"]), row["tree_size"]
 
 
 async def test_a_segment_gone_before_its_read_back_is_written_again_while_the_next_batch_goes_on(
@@ -228,7 +234,8 @@ async def test_a_segment_gone_before_its_read_back_is_written_again_while_the_ne
 
     def unlink_first_of_second_batch(key: str) -> None:
         parsed = parse_segment_key(key)
-        if parsed is not None and parsed.index == FIRST_BATCH_SEGMENTS and not removed:
+        if parsed is not None and parsed.stream is Stream.PUBLIC and parsed.index == FIRST_BATCH_SEGMENTS \
+                and not removed:
             (tmp_path / "archive" / key).unlink()
             removed.append(key)
 
@@ -238,6 +245,30 @@ async def test_a_segment_gone_before_its_read_back_is_written_again_while_the_ne
     assert len(removed) == 1 and await store.head(removed[0]) is not None
 
 
+async def test_a_stop_while_a_batch_is_read_back_records_it_first(stack: Stack, tmp_path: Path) -> None:
+    """Stopped while its last batch is being read back, the archiver records it verified and
+    publishes it before it ends (a successor would otherwise read it back again frame by frame)."""
+    store = _Hooked.local(tmp_path / "archive")
+    await write_messages(stack, 6)
+    stopping: list[asyncio.Task[None]] = []
+    archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store, signer=signer_for(stack),
+                        node_id="arch-stop", policy=SealPolicy(events=2, seconds=3600), sweep_interval=0.2)
+
+    def stop_at_read_back(key: str) -> None:
+        parsed = parse_segment_key(key)
+        if parsed is not None and parsed.stream is Stream.PUBLIC and not stopping:
+            stopping.append(asyncio.get_running_loop().create_task(archiver.stop(grace=10)))
+
+    store.before_get = stop_at_read_back
+    await archiver.start()
+    try:
+        await until(lambda: asyncio.sleep(0, stopping), what="the read-back")
+        await asyncio.wait_for(stopping[0], WAIT)
+    finally:
+        await archiver.stop(grace=2)
+    assert [s["state"] for s in await segments(stack)] == ["published"] * 3
+
+
 async def test_a_put_failing_while_the_batch_before_is_read_back_loses_nothing(stack: Stack, tmp_path: Path) -> None:
     """The put of the next batch fails (a directory stands at its key: the store reports it present,
     then unreadable) while the batch before is being read back: that read-back is dropped, the
@@ -245,15 +276,18 @@ async def test_a_put_failing_while_the_batch_before_is_read_back_loses_nothing(s
     store = _Hooked.local(tmp_path / "archive")
     sequences = await write_messages(stack, 60)
     blocked: list[Path] = []
+    failed_at: list[datetime.datetime] = []
 
     def occupy_once(key: str) -> None:
         parsed = parse_segment_key(key)
         path = tmp_path / "archive" / key
         if blocked and path == blocked[0]:
             path.rmdir()  # the second attempt finds the key free
-        elif parsed is not None and parsed.index == FIRST_BATCH_SEGMENTS + 4 and not blocked:
+        elif parsed is not None and parsed.stream is Stream.PUBLIC and parsed.index == FIRST_BATCH_SEGMENTS + 4 \
+                and not blocked:
             path.mkdir(parents=True)
             blocked.append(path)
+            failed_at.append(datetime.datetime.now(datetime.UTC))
 
     store.before_put = occupy_once
     async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=8,
@@ -261,6 +295,10 @@ async def test_a_put_failing_while_the_batch_before_is_read_back_loses_nothing(s
         await _caught_up_intact(stack, store, sequences, 20)
         assert archiver.store_error is None
     assert blocked and not blocked[0].is_dir()
+    # The batch before was being read back when the put failed: it was recorded verified after.
+    first_verified = await stack.db.pool.fetchval(
+        "select max(verified_at) from archive_segments where stream = 0 and segment_index < $1", FIRST_BATCH_SEGMENTS)
+    assert first_verified > failed_at[0]
 
 
 async def test_a_segment_seals_when_the_next_event_would_pass_the_byte_limit(stack: Stack, tmp_path: Path) -> None:
