@@ -61,8 +61,8 @@ is marked verified without a successful read-back, and sealing stops until the b
 
 Memory: three batches' rows at most (the current one, the next one and the one after it; each at
 most ``BATCH_SEGMENT_BYTES * policy.bytes`` plus one event), two of them encoded once more, and the
-batch being read back twice (the bytes put, kept for the comparison, and those read back), plus the
-manifest.
+batch being read back twice while it is checked (the bytes put, kept for the comparison, and those
+read back), plus the manifest.
 
 Emits: archive objects and the manifest; the watermarks in ``archive_watermarks``.
 """
@@ -391,8 +391,7 @@ class _Checking:
     """A written batch being read back, checked and synced (:meth:`Archiver._check_stored`)."""
 
     rows: list[_Row]
-    written: dict[int, bytes]  # the bytes put, kept until checked
-    task: asyncio.Future[_Stored]
+    task: asyncio.Future[_Stored]  # holds the bytes put (for the comparison) until it is done
 
     async def outcome(self) -> _Stored:
         return await self.task
@@ -615,7 +614,7 @@ class Archiver(Actor):
         for stream in list(self._checking):
             checking = self._checking.pop(stream)
             try:
-                await self._verified(session.conn, checking.rows, await checking.outcome(), checking.written)
+                await self._verified(session.conn, checking.rows, await checking.outcome())
                 await self._publish(session.conn, stream)
             except BaseException:
                 checking.close()
@@ -709,16 +708,16 @@ class Archiver(Actor):
             if batch:
                 await self._write(conn, batch)
             if previous is not None:
-                await self._verified(conn, previous.rows, await previous.outcome(), previous.written)
+                await self._verified(conn, previous.rows, await previous.outcome())
                 await self._publish(conn, stream)
         except BaseException:
             if previous is not None:
                 previous.close()
             raise
         if batch:
-            written = {e.sealed.index: e.data for e in batch}
             rows = [e.written for e in batch]
-            self._checking[stream] = _Checking(rows, written, asyncio.ensure_future(self._check_stored(rows, written)))
+            self._checking[stream] = _Checking(rows, asyncio.ensure_future(
+                self._check_stored(rows, {e.sealed.index: e.data for e in batch})))
         return bool(batch) or previous is not None
 
     async def _finish(self, conn: Any, stream: Stream, unfinished: list[_Row]) -> None:
@@ -934,7 +933,7 @@ class Archiver(Actor):
         ``written``: by segment index, the bytes this process encoded and put in this run (the
         others, written by an earlier run, are walked frame by frame: see :meth:`_check_now`).
         """
-        await self._verified(conn, rows, await self._check_stored(rows, written), written)
+        await self._verified(conn, rows, await self._check_stored(rows, written))
 
     async def _check_stored(self, rows: list[_Row], written: dict[int, bytes]) -> _Stored:
         """The store's half of verifying ``rows``: read each back and check it (in a worker thread,
@@ -963,7 +962,7 @@ class Archiver(Actor):
             synced = False
         return _Stored([row for row, data in zip(rows, found) if data is None], synced)
 
-    async def _verified(self, conn: Any, rows: list[_Row], stored: _Stored, written: dict[int, bytes]) -> None:
+    async def _verified(self, conn: Any, rows: list[_Row], stored: _Stored) -> None:
         """Record ``rows`` verified once :meth:`_check_stored` found them all: a segment found gone is
         first written again (from the history), read back and checked."""
         for row in stored.missing:
