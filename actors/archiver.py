@@ -397,9 +397,14 @@ class _Checking:
         return await self.task
 
     def close(self) -> None:
-        """Drop the check: cancelled, its failure (if any) retrieved."""
-        self.task.cancel()
-        self.task.add_done_callback(lambda f: f.cancelled() or f.exception())
+        """Drop the check (see :func:`_drop`)."""
+        _drop(self.task)
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    """Cancel ``future`` and retrieve its failure, if it had one, when it ends (no warning)."""
+    future.cancel()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class Archiver(Actor):
@@ -612,13 +617,18 @@ class Archiver(Actor):
     async def _finish_checking(self, session: LockSession) -> None:
         """Record verified, and publish, the batches whose read-back is in flight."""
         for stream in list(self._checking):
-            checking = self._checking.pop(stream)
-            try:
-                await self._verified(session.conn, checking.rows, await checking.outcome())
-                await self._publish(session.conn, stream)
-            except BaseException:
-                checking.close()
-                raise
+            await self._record_checked(session.conn, stream, self._checking.pop(stream))
+
+    async def _record_checked(self, conn: Any, stream: Stream, checking: _Checking) -> None:
+        """Once its read-back, check and sync are done, record ``checking``'s batch verified, then
+        publish; the check is dropped if this fails before it is done."""
+        try:
+            stored = await checking.outcome()
+        except BaseException:
+            checking.close()
+            raise
+        await self._verified(conn, checking.rows, stored)
+        await self._publish(conn, stream)
 
     @property
     def _lineage(self) -> uuid.UUID:
@@ -707,13 +717,12 @@ class Archiver(Actor):
             batch = await self._seal(conn, stream)
             if batch:
                 await self._write(conn, batch)
-            if previous is not None:
-                await self._verified(conn, previous.rows, await previous.outcome())
-                await self._publish(conn, stream)
         except BaseException:
             if previous is not None:
                 previous.close()
             raise
+        if previous is not None:
+            await self._record_checked(conn, stream, previous)
         if batch:
             rows = [e.written for e in batch]
             self._checking[stream] = _Checking(rows, asyncio.ensure_future(
@@ -952,8 +961,7 @@ class Archiver(Actor):
             present = [(row, data) for row, data in zip(rows, found) if data is not None]
             await asyncio.to_thread(self._check_now, [r for r, _ in present], [d for _, d in present], written)
         except BaseException:
-            durable.cancel()
-            durable.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+            _drop(durable)
             raise
         try:
             await durable
@@ -964,16 +972,15 @@ class Archiver(Actor):
 
     async def _verified(self, conn: Any, rows: list[_Row], stored: _Stored) -> None:
         """Record ``rows`` verified once :meth:`_check_stored` found them all: a segment found gone is
-        first written again (from the history), read back and checked."""
+        first written again (from the history), read back and checked, then all are synced again."""
         for row in stored.missing:
             # Written once, gone now (an operator's mistake, a store that lost it): write it again.
             key = self._key(row)
             self.log.error("archiver.segment_missing", key=key, detail="writing it again")
             (encoded,) = await self._reencode(conn, [row])
             await self.store.put(key, encoded.data)
-            await self.store.sync([key])
             await asyncio.to_thread(self._check_now, [row], [await self.store.get(key)], {row.index: encoded.data})
-        if not stored.synced:
+        if stored.missing or not stored.synced:
             await self.store.sync([self._key(row) for row in rows])
         stream, through = rows[0].stream, max(r.last for r in rows)
         await conn.execute("with segments as (update archive_segments set state = 'verified', verified_at = now() "

@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import datetime
 import itertools
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -31,7 +33,7 @@ from actors.archiver import (
     seal_cuts,
 )
 from infra.archive_keys import archive_origin
-from infra.archive_store import ArchiveStore, CreateOnlyIgnored
+from infra.archive_store import STAGING_MAX_AGE, ArchiveStore, CreateOnlyIgnored
 from protocol import archive as fmt
 from protocol.archive import (
     GENESIS_HASH,
@@ -444,11 +446,6 @@ async def test_the_private_stream_archives_agents_and_stored_answers(stack: Stac
 async def test_an_activation_sweeps_the_staging_files_a_crash_left(stack: Stack, tmp_path: Path) -> None:
     """A staging file left by a crash between write and link (old enough) is removed when an archiver
     becomes active; one that may still be in use by a put (young) is not."""
-    import os
-    import time
-
-    from infra.archive_store import STAGING_MAX_AGE
-
     store = local(tmp_path)
     segments_dir = tmp_path / "archive" / str(stack.identity.lineage) / "segments"
     segments_dir.mkdir(parents=True)
