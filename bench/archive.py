@@ -32,6 +32,12 @@ same warm cache for both sides), and measures, in events per second:
 
 Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
 
+With the median round, the CPU time of each side is printed: this process's (the archiver's worker
+threads included) and the whole machine's (``/proc/stat``: PostgreSQL's backends and the kernel's
+writeback too). The archive's machine-wide CPU seconds over every CPU is the shortest any schedule
+of the same work could take here, so the raw time over it bounds the ratio this work can reach on
+this machine (the raw side keeps both CPUs of a 2-CPU machine busy: its client and its backend).
+
 Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
 [--rounds N] [--warmup N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
 (the DSN is a server's maintenance database: databases of its own are created and dropped).
@@ -49,6 +55,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +65,15 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.archiver import Archiver, SealPolicy
-from bench.write import Agent, HttpSide, private_vhost, quiet_product_logs, scratch_database, stop_process
+from bench.write import (
+    Agent,
+    CpuMeter,
+    HttpSide,
+    private_vhost,
+    quiet_product_logs,
+    scratch_database,
+    stop_process,
+)
 from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
@@ -286,12 +301,32 @@ async def main() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Busy:
+    """CPUs busy on average over one measurement: this process (the archiver and its worker threads
+    run in it) and the whole machine (PostgreSQL's backends and the kernel's writeback included);
+    None where /proc is not there to read."""
+
+    process: float | None
+    machine: float | None
+
+
+async def metered(call: Awaitable[tuple[int, float]]) -> tuple[tuple[int, float], Busy]:
+    """``call``'s (events, seconds), and the CPUs busy while it ran."""
+    meter = CpuMeter.start({"bench": os.getpid()})
+    result = await call
+    busy = meter.busy()
+    return result, Busy(busy.get("bench"), busy.get("machine"))
+
+
+@dataclass(frozen=True, slots=True)
 class Round:
-    """One round of the rate phase: the raw, archive and verify figures on one copy of the history."""
+    """One round of the rate phase: the raw, archive and verify figures on one copy of the history,
+    and the CPUs busy during each."""
 
     raw: tuple[int, float]
     archive: tuple[int, float]
     verify: tuple[int, float]
+    busy: dict[str, Busy]
 
     def rate(self, which: str) -> float:
         events, seconds = getattr(self, which)
@@ -310,19 +345,19 @@ async def one_round(server_dsn: str, template: str) -> Round:
         await raw_rate(dsn)  # the warm-up read
         # The raw side is a read of well under a second, and here it varies by a fifth read after
         # read on one copy: its median of RAW_READS reads is the round's raw rate.
-        reads = [await raw_rate(dsn) for _ in range(RAW_READS)]
-        raw = sorted(reads, key=lambda r: r[0] / r[1])[len(reads) // 2]
+        reads = [await metered(raw_rate(dsn)) for _ in range(RAW_READS)]
+        raw, raw_busy = sorted(reads, key=lambda r: r[0][0] / r[0][1])[len(reads) // 2]
         db = await Database.connect(dsn, min_size=1, max_size=4)
         try:
             identity = await ensure_identity(db, None, None)
             with tempfile.TemporaryDirectory() as tmp:
                 store = ArchiveStore.local(Path(tmp))
-                archive = await archive_rate(db, dsn, store)
+                archive, archive_busy = await metered(archive_rate(db, dsn, store))
                 verifier = (await store.get(public_key_key(identity.lineage))).decode().strip()
-                verify = await verify_rate(store, identity.lineage, verifier)
+                verify, verify_busy = await metered(verify_rate(store, identity.lineage, verifier))
         finally:
             await db.close()
-    return Round(raw, archive, verify)
+    return Round(raw, archive, verify, {"raw": raw_busy, "archive": archive_busy, "verify": verify_busy})
 
 
 async def rates(args: argparse.Namespace) -> None:
@@ -358,6 +393,25 @@ async def rates(args: argparse.Namespace) -> None:
           f"({median.ratio('archive'):.2f}x raw; target 0.5x)")
     print(f"verify:            {verified:,} events in {verify_s:.2f} s = {verified / verify_s:,.0f} events/s "
           f"({verify.ratio('verify'):.2f}x raw; target 0.5x)")
+    print(cpu_lines(median))
+
+
+def cpu_lines(median: Round) -> str:
+    """The median round's CPU use, and what it implies: the archive's machine-wide CPU seconds spread
+    over every CPU is the shortest the same work could take here, whatever its schedule."""
+    (_, raw_s), (_, archive_s) = median.raw, median.archive
+    cpus = os.cpu_count() or 1
+    parts = []
+    for which in ("raw", "archive"):
+        busy, seconds = median.busy[which], getattr(median, which)[1]
+        if busy.process is None or busy.machine is None:
+            return "cpu:               not measured (no /proc here)"
+        parts.append(f"{which} {busy.process * seconds:.2f} CPU-s in this process, {busy.machine * seconds:.2f} "
+                     f"on the machine ({busy.machine:.2f} of {cpus} CPUs busy)")
+    floor = median.busy["archive"].machine * archive_s / cpus  # type: ignore[operator]
+    return (f"cpu (median round): {parts[0]}\n                    {parts[1]}\n"
+            f"                    the archive's CPU work over {cpus} CPUs takes at least {floor:.2f} s: "
+            f"at most {raw_s / floor:.2f}x raw on this machine with this work")
 
 
 if __name__ == "__main__":
