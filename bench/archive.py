@@ -36,7 +36,7 @@ With the median round, the CPU time of each side is printed: this process's (the
 threads included) and the whole machine's (``/proc/stat``: PostgreSQL's backends and the kernel's
 writeback too). The archive's machine-wide CPU seconds over every CPU is the shortest any schedule
 of the same work could take here, so the raw time over it bounds the ratio this work can reach on
-this machine (the raw side keeps both CPUs of a 2-CPU machine busy: its client and its backend).
+this machine (on a 2-CPU machine here, the raw side alone kept both busy: its client and its backend).
 
 Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
 [--rounds N] [--warmup N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
@@ -55,9 +55,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import asyncpg
@@ -95,12 +95,43 @@ RAW_READS = 3
 MAX_IN_FLIGHT = 1000
 
 
-async def raw_rate(dsn: str) -> tuple[int, float]:
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """CPUs busy on average over one measurement: this process (the archiver and its worker threads
+    run in it) and the whole machine (PostgreSQL's backends and the kernel's writeback included);
+    None where /proc is not there to read."""
+
+    process: float | None
+    machine: float | None
+
+
+class Timed(NamedTuple):
+    """One measurement: events, the seconds they took, and the CPUs busy over those seconds."""
+
+    events: int
+    seconds: float
+    busy: Busy
+
+
+class Stopwatch:
+    """Times one measurement and meters the CPUs over exactly the same interval."""
+
+    def __init__(self) -> None:
+        self._meter = CpuMeter.start({"bench": os.getpid()})
+        self._started = time.perf_counter()
+
+    def stop(self, events: int) -> Timed:
+        seconds = time.perf_counter() - self._started
+        busy = self._meter.busy()
+        return Timed(events, seconds, Busy(busy.get("bench"), busy.get("machine")))
+
+
+async def raw_rate(dsn: str) -> Timed:
     """Rows read with COPY and hashed, and the seconds it took."""
     conn = await asyncpg.connect(dsn)
     rows = 0
     buffer = bytearray()
-    started = time.perf_counter()
+    watch = Stopwatch()
 
     async def sink(chunk: bytes) -> None:  # asyncpg awaits a callable output
         nonlocal rows
@@ -115,10 +146,10 @@ async def raw_rate(dsn: str) -> tuple[int, float]:
         await conn.copy_from_query("select sequence, event from changes order by sequence", output=sink)
     finally:
         await conn.close()
-    return rows, time.perf_counter() - started
+    return watch.stop(rows)
 
 
-async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int, float]:
+async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> Timed:
     """Events the archiver published from a cold start, and the seconds it took."""
     identity = await ensure_identity(db, None, None)
     signer = generate_signer_key(archive_origin(identity.corpus_id))
@@ -128,7 +159,7 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int
     await bus.connect()
     archiver = Archiver(bus, db, identity=identity, store=store, signer=signer, node_id="bench", dsn=dsn,
                         policy=SealPolicy(seconds=3600), sweep_interval=0.05)
-    started = time.perf_counter()
+    watch = Stopwatch()
     await archiver.start()
     try:
         # The archiver's own progress signal, not a polling query: a poll would take the event loop
@@ -138,19 +169,19 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> tuple[int
             # progress event a loop turn late and could miss the last one.)
             async with asyncio.timeout(120):
                 await archiver.wait_progress()
-        elapsed = time.perf_counter() - started
+        timed = watch.stop(full)
         published = int(await db.pool.fetchval(
             "select coalesce(max(tree_size), 0) from archive_segments where stream = 0 and state = 'published'"))
         assert published >= full, f"the archiver reported {full} events published, the database {published}"
     finally:
         await archiver.stop(grace=5)
         await bus.close()
-    return full, elapsed
+    return timed
 
 
-async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: str) -> tuple[int, float]:
+async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: str) -> Timed:
     """Events verified from the store alone, and the seconds it took."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     manifest = decode_manifest(await store.get(manifest_key(lineage)))
     tree = CompactTree()
     previous = None
@@ -164,7 +195,7 @@ async def verify_rate(store: ArchiveStore, lineage: uuid.UUID, verifier_text: st
     checkpoint = verify_checkpoint(await store.get(checkpoint_key(lineage, tree.size)),
                                    parse_verifier_key(verifier_text))
     assert checkpoint.root == tree.root(), "the recomputed root differs from the checkpoint's"
-    return tree.size, time.perf_counter() - started
+    return watch.stop(tree.size)
 
 
 @dataclass(slots=True)
@@ -301,36 +332,16 @@ async def main() -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Busy:
-    """CPUs busy on average over one measurement: this process (the archiver and its worker threads
-    run in it) and the whole machine (PostgreSQL's backends and the kernel's writeback included);
-    None where /proc is not there to read."""
-
-    process: float | None
-    machine: float | None
-
-
-async def metered(call: Awaitable[tuple[int, float]]) -> tuple[tuple[int, float], Busy]:
-    """``call``'s (events, seconds), and the CPUs busy while it ran."""
-    meter = CpuMeter.start({"bench": os.getpid()})
-    result = await call
-    busy = meter.busy()
-    return result, Busy(busy.get("bench"), busy.get("machine"))
-
-
-@dataclass(frozen=True, slots=True)
 class Round:
-    """One round of the rate phase: the raw, archive and verify figures on one copy of the history,
-    and the CPUs busy during each."""
+    """One round of the rate phase: the raw, archive and verify figures on one copy of the history."""
 
-    raw: tuple[int, float]
-    archive: tuple[int, float]
-    verify: tuple[int, float]
-    busy: dict[str, Busy]
+    raw: Timed
+    archive: Timed
+    verify: Timed
 
     def rate(self, which: str) -> float:
-        events, seconds = getattr(self, which)
-        return float(events / seconds)
+        timed: Timed = getattr(self, which)
+        return timed.events / timed.seconds
 
     def ratio(self, which: str) -> float:
         return self.rate(which) / self.rate("raw")
@@ -345,19 +356,19 @@ async def one_round(server_dsn: str, template: str) -> Round:
         await raw_rate(dsn)  # the warm-up read
         # The raw side is a read of well under a second, and here it varies by a fifth read after
         # read on one copy: its median of RAW_READS reads is the round's raw rate.
-        reads = [await metered(raw_rate(dsn)) for _ in range(RAW_READS)]
-        raw, raw_busy = sorted(reads, key=lambda r: r[0][0] / r[0][1])[len(reads) // 2]
+        reads = [await raw_rate(dsn) for _ in range(RAW_READS)]
+        raw = sorted(reads, key=lambda r: r.events / r.seconds)[len(reads) // 2]
         db = await Database.connect(dsn, min_size=1, max_size=4)
         try:
             identity = await ensure_identity(db, None, None)
             with tempfile.TemporaryDirectory() as tmp:
                 store = ArchiveStore.local(Path(tmp))
-                archive, archive_busy = await metered(archive_rate(db, dsn, store))
+                archive = await archive_rate(db, dsn, store)
                 verifier = (await store.get(public_key_key(identity.lineage))).decode().strip()
-                verify, verify_busy = await metered(verify_rate(store, identity.lineage, verifier))
+                verify = await verify_rate(store, identity.lineage, verifier)
         finally:
             await db.close()
-    return Round(raw, archive, verify, {"raw": raw_busy, "archive": archive_busy, "verify": verify_busy})
+    return Round(raw, archive, verify)
 
 
 async def rates(args: argparse.Namespace) -> None:
@@ -386,7 +397,7 @@ async def rates(args: argparse.Namespace) -> None:
                   flush=True)
     median = sorted(rounds, key=lambda r: r.ratio("archive"))[len(rounds) // 2]
     verify = sorted(rounds, key=lambda r: r.ratio("verify"))[len(rounds) // 2]
-    (rows, raw_s), (events, archive_s), (verified, verify_s) = median.raw, median.archive, verify.verify
+    (rows, raw_s, _), (events, archive_s, _), (verified, verify_s, _) = median.raw, median.archive, verify.verify
     print(f"median of {len(rounds)} rounds (each ratio against the raw rate of its own round):")
     print(f"raw COPY + sha256: {rows:,} rows in {raw_s:.2f} s = {rows / raw_s:,.0f} events/s")
     print(f"archive:           {events:,} events in {archive_s:.2f} s = {events / archive_s:,.0f} events/s "
@@ -399,20 +410,19 @@ async def rates(args: argparse.Namespace) -> None:
 def cpu_lines(median: Round) -> str:
     """The median round's CPU use, and what it implies: the archive's machine-wide CPU seconds spread
     over every CPU is the shortest the same work could take here, whatever its schedule."""
-    (_, raw_s), (_, archive_s) = median.raw, median.archive
     cpus = os.cpu_count() or 1
     parts = []
     for which in ("raw", "archive"):
-        busy, seconds = median.busy[which], getattr(median, which)[1]
-        if busy.process is None or busy.machine is None:
+        timed: Timed = getattr(median, which)
+        process, machine = timed.busy.process, timed.busy.machine
+        if process is None or machine is None:
             return "cpu:               not measured (no /proc here)"
-        parts.append(f"{which} {busy.process * seconds:.2f} CPU-s in this process, {busy.machine * seconds:.2f} "
-                     f"on the machine ({busy.machine:.2f} of {cpus} CPUs busy)")
-    floor = median.busy["archive"].machine * archive_s / cpus  # type: ignore[operator]
+        parts.append(f"{which} {process * timed.seconds:.2f} CPU-s in this process, {machine * timed.seconds:.2f} "
+                     f"on the machine ({machine:.2f} of {cpus} CPUs busy)")
+    floor = (median.archive.busy.machine or 0.0) * median.archive.seconds / cpus
+    bound = f"at most {median.raw.seconds / floor:.2f}x raw on this machine with this work" if floor else "no bound"
     return (f"cpu (median round): {parts[0]}\n                    {parts[1]}\n"
-            f"                    the archive's CPU work over {cpus} CPUs takes at least {floor:.2f} s: "
-            f"at most {raw_s / floor:.2f}x raw on this machine with this work")
-
+            f"                    the archive's CPU work over {cpus} CPUs takes at least {floor:.2f} s: {bound}")
 
 if __name__ == "__main__":
     asyncio.run(main())
