@@ -424,5 +424,6 @@ def cpu_lines(median: Round) -> str:
     return (f"cpu (median round): {parts[0]}\n                    {parts[1]}\n"
             f"                    the archive's CPU work over {cpus} CPUs takes at least {floor:.2f} s: {bound}")
 
+
 if __name__ == "__main__":
     asyncio.run(main())
