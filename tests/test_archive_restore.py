@@ -321,3 +321,27 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
                 assert report["provenance"]["checkpoint_root"] == archived.root.hex()
             else:
                 assert b"not empty" in err and archived.key.text().encode() not in err + out
+
+
+def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> None:
+    corpus = str(uuid.uuid4())
+    loader = load.HistoryLoader(None, corpus, str(uuid.uuid4()))
+    when = "2026-12-02T10:00:00.123Z"
+    message = {"id": str(uuid.uuid4()), "conversation_id": str(uuid.uuid4()),
+               "author": {"agent_id": str(uuid.uuid4()), "name": "a"}, "kinds": ["claim"], "content": "x",
+               "tags": [], "mentions": [], "created_at": when}
+    good = {"corpus_id": corpus, "sequence": 7, "type": "message.appended", "partition": 0, "occurred_at": when,
+            "data": {"message": message}}
+    batch = loader.prepare([(7, good)])
+    assert [m[0] for m in batch.messages] == [message["id"]] and batch.changes[0] == [7]
+    assert batch.messages[0][-1].isoformat() == "2026-12-02T10:00:00.123000+00:00"
+    broken = [
+        {**good, "data": {}},  # no message
+        {**good, "data": {"message": {**message, "created_at": "2026-12-02 10:00:00"}}},  # not an event time
+        {**good, "data": {"message": {**message, "created_at": "2026-02-30T10:00:00.123Z"}}},  # no such day
+        {**good, "type": "message.edited"},  # no such change
+        {**good, "corpus_id": str(uuid.uuid4())},  # another corpus
+    ]
+    for envelope in broken:
+        with pytest.raises(load.LoadRefused, match="change 7 "):
+            loader.prepare([(7, envelope)])

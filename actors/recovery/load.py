@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from datetime import UTC, datetime
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from protocol import representations as rep
@@ -42,8 +44,33 @@ _LOADED_TABLES = ("agents", "conversations", "messages", "relationships", "retra
 ANALYZE_FROM = 5000
 
 
+#: The times events carry (``protocol.representations.format_time``: milliseconds, ``Z``), and the
+#: shape ``_time`` accepts (1 to 6 fraction digits, as ``%f`` does).
+_EVENT_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{1,6}Z")
+
+
 def _time(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+    """The aware UTC time of an event's ``YYYY-MM-DDTHH:MM:SS.fffZ``; ValueError otherwise.
+
+    The shape is checked first, then ``fromisoformat`` reads it: measured, about 60 times faster
+    than ``strptime`` (whose locale look-ups were a fifth of a restore's Python time)."""
+    if not isinstance(text, str) or not _EVENT_TIME.fullmatch(text):
+        raise ValueError(f"not an event time: {text[:40]!r}" if isinstance(text, str) else "not an event time")
+    return datetime.fromisoformat(text)
+
+
+@dataclass(slots=True)
+class LoadBatch:
+    """The rows of one run of events, made by :meth:`HistoryLoader.prepare` (no I/O, so it may run
+    in a worker thread) and written by :meth:`HistoryLoader.apply`."""
+
+    conversations: list[tuple[Any, ...]] = field(default_factory=list)
+    messages: list[tuple[Any, ...]] = field(default_factory=list)
+    relationships: list[tuple[Any, ...]] = field(default_factory=list)
+    retractions: list[tuple[Any, ...]] = field(default_factory=list)
+    #: The change rows, column by column (the arrays of the insert's ``unnest``).
+    changes: list[list[Any]] = field(default_factory=lambda: [[] for _ in range(9)])
+    last_sequence: int = 0
 
 
 class HistoryLoader:
@@ -65,108 +92,124 @@ class HistoryLoader:
 
     async def segment(self, events: list[tuple[int, dict[str, Any]]]) -> None:
         """Write one run of events (ascending sequences after every one written before)."""
-        conversations, messages, relationships, retractions = [], [], [], []
+        await self.apply(self.prepare(events))
+
+    def prepare(self, events: list[tuple[int, dict[str, Any]]]) -> LoadBatch:
+        """The rows of ``events``, without writing them: pure, so a caller may run it in a thread
+        while :meth:`apply` writes the run before. LoadRefused when an event cannot be written."""
+        batch = LoadBatch()
         for sequence, envelope in events:
             if envelope.get("corpus_id") != self.corpus_id or envelope.get("sequence") != sequence:
                 raise LoadRefused(f"archived change {sequence} names another corpus or sequence")
-            data, kind = envelope["data"], envelope["type"]
-            if kind == rep.CONVERSATION_CREATED:
-                c = data["conversation"]
-                conversations.append((c["id"], c["subject"], c["author"]["agent_id"], c["root_message_id"],
-                                      envelope["partition"], _time(c["created_at"])))
-            if kind in (rep.CONVERSATION_CREATED, rep.MESSAGE_APPENDED):
-                m = data["message"]
-                payload = canonical_json(m["payload"]).decode() if "payload" in m else None
-                messages.append((m["id"], m["conversation_id"], m["author"]["agent_id"], m["kinds"], m.get("content"),
-                                 payload, m.get("schema_name"), m.get("schema_version"), m.get("reply_to"),
-                                 m["tags"], [x["agent_id"] for x in m["mentions"]], _time(m["created_at"])))
-            elif kind == rep.RELATIONSHIP_ASSERTED:
-                r = data["relationship"]
-                relationships.append((r["id"], r["type"], r["source_message_id"], r["target_message_id"],
-                                      r["author"]["agent_id"], envelope["partition"], _time(r["created_at"])))
-            elif kind == rep.RELATIONSHIP_RETRACTED:
-                x = data["retraction"]
-                retractions.append((x["id"], x["relationship_id"], _time(x["created_at"])))
+            try:
+                self._rows(batch, sequence, envelope)
+            except (KeyError, TypeError, ValueError) as e:
+                raise LoadRefused(f"archived change {sequence} is not a well-formed event "
+                                  f"({type(e).__name__})") from None
+        return batch
+
+    def _rows(self, batch: LoadBatch, sequence: int, envelope: dict[str, Any]) -> None:
+        data, kind = envelope["data"], envelope["type"]
+        message_id = relationship_id = retraction_id = None
+        if kind == rep.CONVERSATION_CREATED:
+            c = data["conversation"]
+            batch.conversations.append((c["id"], c["subject"], c["author"]["agent_id"], c["root_message_id"],
+                                        envelope["partition"], _time(c["created_at"])))
+            conversation_id, author_id = c["id"], c["author"]["agent_id"]
+        if kind in (rep.CONVERSATION_CREATED, rep.MESSAGE_APPENDED):
+            m = data["message"]
+            payload = canonical_json(m["payload"]).decode() if "payload" in m else None
+            batch.messages.append((m["id"], m["conversation_id"], m["author"]["agent_id"], m["kinds"], m.get("content"),
+                                   payload, m.get("schema_name"), m.get("schema_version"), m.get("reply_to"),
+                                   m["tags"], [x["agent_id"] for x in m["mentions"]], _time(m["created_at"])))
+            message_id = m["id"]
+            if kind == rep.MESSAGE_APPENDED:
+                conversation_id, author_id = m["conversation_id"], m["author"]["agent_id"]
+        elif kind == rep.RELATIONSHIP_ASSERTED:
+            r = data["relationship"]
+            batch.relationships.append((r["id"], r["type"], r["source_message_id"], r["target_message_id"],
+                                        r["author"]["agent_id"], envelope["partition"], _time(r["created_at"])))
+            relationship_id, conversation_id, author_id = r["id"], None, r["author"]["agent_id"]
+        elif kind == rep.RELATIONSHIP_RETRACTED:
+            x = data["retraction"]
+            batch.retractions.append((x["id"], x["relationship_id"], _time(x["created_at"])))
+            retraction_id, conversation_id, author_id = x["id"], None, None
+        elif kind != rep.CONVERSATION_CREATED:
+            raise LoadRefused(f"archived change {sequence} has an unknown type")
+        restamped = {**envelope, "lineage": self.lineage}
+        for column, value in zip(batch.changes, (sequence, kind, envelope["partition"], conversation_id, author_id,
+                                                 message_id, relationship_id, retraction_id,
+                                                 rep.dumps(restamped).decode()), strict=True):
+            column.append(value)
+        batch.last_sequence = sequence
+
+    async def apply(self, batch: LoadBatch) -> None:
+        """Write a prepared run (after every run written before it, in order)."""
         conn = self.conn
-        if conversations:
+        if batch.conversations:
             # COPY, like the seeder: one round trip per table and segment (foreign keys are checked
             # at the end of the statement, so a reply may follow its parent within the same COPY).
-            await conn.copy_records_to_table("conversations", records=conversations, columns=(
+            await conn.copy_records_to_table("conversations", records=batch.conversations, columns=(
                 "id", "subject", "author_id", "root_message_id", "partition", "created_at"))
-        if messages:
-            await conn.copy_records_to_table("messages", records=messages, columns=(
+        if batch.messages:
+            await conn.copy_records_to_table("messages", records=batch.messages, columns=(
                 "id", "conversation_id", "author_id", "kinds", "content", "payload", "schema_name", "schema_version",
                 "reply_to", "tags", "mention_ids", "created_at"))
-        if relationships:
-            await conn.copy_records_to_table("relationships", records=relationships, columns=(
+        if batch.relationships:
+            await conn.copy_records_to_table("relationships", records=batch.relationships, columns=(
                 "id", "type", "source_message_id", "target_message_id", "author_id", "partition", "created_at"))
-        if retractions:
+        if batch.retractions:
             # Only the assertion's author may retract: the retraction's author is the relationship's.
             await conn.executemany(
                 "insert into retractions (id, relationship_id, author_id, created_at) "
-                "select $1, r.id, r.author_id, $3 from relationships r where r.id = $2", retractions)
+                "select $1, r.id, r.author_id, $3 from relationships r where r.id = $2", batch.retractions)
             await conn.execute("delete from active_relationships where relationship_id = any($1::uuid[])",
-                               [x[1] for x in retractions])
-        if relationships:
-            # The index of active assertions after this segment: its assertions not retracted by now
-            # (built once per segment, so a retract-then-assert-again inside it cannot collide).
+                               [x[1] for x in batch.retractions])
+        if batch.relationships:
+            # The index of active assertions after this run: its assertions not retracted by now
+            # (built once per run, so a retract-then-assert-again inside it cannot collide).
             await conn.execute(
                 "insert into active_relationships (source_message_id, target_message_id, type, author_id, "
                 "relationship_id) select r.source_message_id, r.target_message_id, r.type, r.author_id, r.id "
                 "from relationships r where r.id = any($1::uuid[]) "
                 "and not exists (select 1 from retractions x where x.relationship_id = r.id)",
-                [r[0] for r in relationships])
-        await self._changes(events)
-        self.counts["conversations"] += len(conversations)
-        self.counts["messages"] += len(messages)
-        self.counts["relationships"] += len(relationships)
-        self.counts["retractions"] += len(retractions)
+                [r[0] for r in batch.relationships])
+        if batch.changes[0]:
+            await self._changes(batch.changes)
+            self.last_sequence = batch.last_sequence
+        self.counts["changes"] += len(batch.changes[0])
+        self.counts["conversations"] += len(batch.conversations)
+        self.counts["messages"] += len(batch.messages)
+        self.counts["relationships"] += len(batch.relationships)
+        self.counts["retractions"] += len(batch.retractions)
         if self.counts["changes"] >= self._analyze_at:
             # ANALYZE inside the transaction samples the rows it wrote (uncommitted, but its own).
             await conn.execute(f"analyze {', '.join(_LOADED_TABLES)}")
             self._analyze_at = 2 * self.counts["changes"]
 
-    async def _changes(self, events: list[tuple[int, dict[str, Any]]]) -> None:
-        columns: list[list[Any]] = [[] for _ in range(9)]
-        for sequence, envelope in events:
-            data, kind = envelope["data"], envelope["type"]
-            message_id = relationship_id = retraction_id = None
-            if kind == rep.CONVERSATION_CREATED:
-                conversation_id, author_id = data["conversation"]["id"], data["conversation"]["author"]["agent_id"]
-                message_id = data["message"]["id"]
-            elif kind == rep.MESSAGE_APPENDED:
-                conversation_id, author_id = data["message"]["conversation_id"], data["message"]["author"]["agent_id"]
-                message_id = data["message"]["id"]
-            elif kind == rep.RELATIONSHIP_ASSERTED:
-                relationship_id, conversation_id = data["relationship"]["id"], None
-                author_id = data["relationship"]["author"]["agent_id"]
-            elif kind == rep.RELATIONSHIP_RETRACTED:
-                retraction_id, conversation_id, author_id = data["retraction"]["id"], None, None
-            else:
-                raise LoadRefused(f"archived change {sequence} has an unknown type")
-            restamped = {**envelope, "lineage": self.lineage}
-            for column, value in zip(columns, (sequence, kind, envelope["partition"], conversation_id, author_id,
-                                               message_id, relationship_id, retraction_id,
-                                               rep.dumps(restamped).decode()), strict=True):
-                column.append(value)
-            self.last_sequence = sequence
+    async def _changes(self, columns: list[list[Any]]) -> None:
         # An assertion's conversation is its source message's; a retraction's conversation and
-        # author are its assertion's: looked up from the rows just written, in the same statement.
+        # author are its assertion's: looked up from the rows just written, in the same statement,
+        # and only for those rows (coalesce evaluates a subquery only when the value before it is
+        # null, so a message's change costs no look-up).
         await self.conn.execute(
             "insert into changes (sequence, type, partition, conversation_id, author_id, message_id, "
             "relationship_id, retraction_id, occurred_at, event) "
             "select e.sequence, e.type, e.partition,"
-            " coalesce(e.conversation_id, m.conversation_id, rm.conversation_id),"
-            " coalesce(e.author_id, rr.author_id), e.message_id, e.relationship_id, e.retraction_id,"
+            " coalesce(e.conversation_id,"
+            "  (select m.conversation_id from relationships r join messages m on m.id = r.source_message_id"
+            "    where r.id = e.relationship_id),"
+            "  (select m.conversation_id from retractions x join relationships r on r.id = x.relationship_id"
+            "    join messages m on m.id = r.source_message_id where x.id = e.retraction_id)),"
+            " coalesce(e.author_id,"
+            "  (select r.author_id from retractions x join relationships r on r.id = x.relationship_id"
+            "    where x.id = e.retraction_id)),"
+            " e.message_id, e.relationship_id, e.retraction_id,"
             " (e.event::json ->> 'occurred_at')::timestamptz, e.event"
             " from unnest($1::bigint[], $2::text[], $3::smallint[], $4::uuid[], $5::uuid[], $6::uuid[], $7::uuid[],"
             " $8::uuid[], $9::text[]) as e(sequence, type, partition, conversation_id, author_id, message_id,"
             " relationship_id, retraction_id, event)"
-            " left join relationships r on r.id = e.relationship_id left join messages m on m.id = r.source_message_id"
-            " left join retractions x on x.id = e.retraction_id left join relationships rr on rr.id = x.relationship_id"
-            " left join messages rm on rm.id = rr.source_message_id"
             " order by e.sequence", *columns)
-        self.counts["changes"] += len(events)
 
 
 async def ensure_authors(conn: Any, events: list[tuple[int, dict[str, Any]]]) -> None:

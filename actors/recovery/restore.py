@@ -29,6 +29,7 @@ consent again), rate-limit state and the curated guide (``toastmachine guide set
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,12 @@ from typing import Any
 import asyncpg
 import orjson
 
-from actors.recovery.load import HistoryLoader, LoadRefused
+from actors.recovery.load import HistoryLoader, LoadBatch, LoadRefused
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk
 from actors.writer.store import SEQUENCE_LOCK
 from infra.db import Target, connection
 from infra.logs import get_logger
+from protocol.archive import DecodedSegment
 from protocol.archive_check import Finding
 from protocol.archive_private import AgentRecord, OperationRecord, decode_private_record
 from protocol.checkpoint import VerifierKey
@@ -119,6 +121,36 @@ async def _apply_private(conn: Any, walk: PrivateWalk, kind: type[AgentRecord | 
     return applied
 
 
+def _rows_of(loader: HistoryLoader, segment: DecodedSegment) -> LoadBatch:
+    return loader.prepare([(e.sequence, orjson.loads(e.body)) for e in segment.events])
+
+
+async def _load_history(walk: ArchiveWalk, loader: HistoryLoader) -> None:
+    """Write every segment the walk passes, in order, each one's rows made (in a worker thread)
+    while the database writes the segment before it.
+
+    The database is most of a restore's time (measured on a 120,000-event restore: about 27 of 33
+    s awaiting statements, above all the messages' search vectors), and making a segment's rows
+    (JSON, times, tuples) most of the rest: overlapped, the second hides behind the first.
+    """
+    writing: asyncio.Task[None] | None = None
+    try:
+        async for segment in walk.segments():
+            batch = await asyncio.to_thread(_rows_of, loader, segment)
+            if writing is not None:
+                await writing  # runs in order: a segment's rows may refer to the one before
+            writing = asyncio.ensure_future(loader.apply(batch))
+        if writing is not None:
+            await writing
+    finally:
+        if writing is not None and not writing.done():
+            # Failed while a write was in flight: stop it (the transaction rolls back anyway).
+            writing.cancel()
+            await asyncio.wait([writing])
+        if writing is not None and writing.done() and not writing.cancelled():
+            writing.exception()  # retrieved (raised above, or superseded by the failure in flight)
+
+
 async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target, *,
                           trusted: VerifierKey | None = None, new_lineage: uuid.UUID | None = None,
                           republish: bool = False) -> RestoreReport:
@@ -158,8 +190,7 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
             raise RestoreRefused("the private stream does not verify", private.findings)
         loader = HistoryLoader(conn, str(corpus_id), str(new_lineage))
         try:
-            async for segment in walk.segments():
-                await loader.segment([(e.sequence, orjson.loads(e.body)) for e in segment.events])
+            await _load_history(walk, loader)
         except LoadRefused as e:
             raise RestoreRefused(str(e)) from None
         except asyncpg.IntegrityConstraintViolationError as e:
