@@ -30,6 +30,14 @@ same warm cache for both sides), and measures, in events per second:
   checkpoint), in segments of 500 events. At 200 writes/s a segment fills in 2.5 s, so the open
   segment alone accounts for up to one segment of lag.
 
+- **restore**: each round archives its own copy of the seeded history (full segments, as the
+  archive measurement does), then restores that archive into an empty migrated database with
+  ``restore_archive`` (as ``toastmachine archive restore``: verified and
+  loaded in one transaction), against the **raw load**: the same tables copied from the copy into
+  another empty migrated database with binary COPY, in one transaction (the database's own cost
+  of holding those rows: search vectors, indexes, foreign keys, the read models' trigger). No
+  target; ``--restore-rounds`` rounds (default 3), the median reported.
+
 Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
 
 With the median round, the CPU time of each side is printed: this process's (the archiver's worker
@@ -39,7 +47,8 @@ of the same work could take here, so the raw time over it bounds the ratio this 
 this machine (on a 2-CPU machine here, the raw side alone kept both busy: its client and its backend).
 
 Run: ``python bench/archive.py [--dsn postgresql://postgres@127.0.0.1:5432/postgres] [--messages N]
-[--rounds N] [--warmup N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]``
+[--rounds N] [--warmup N] [--amqp-url amqp://...] [--lag-rate R] [--lag-seconds S] [--lag-agents A] [--skip-rate] [--skip-lag]
+[--skip-restore] [--restore-rounds N]``
 (the DSN is a server's maintenance database: databases of its own are created and dropped).
 """
 
@@ -49,12 +58,14 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import io
 import math
 import os
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -65,6 +76,8 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.archiver import Archiver, SealPolicy
+from actors.recovery.restore import restore_archive
+from actors.recovery.walk import StoreSource
 from bench.write import (
     Agent,
     CpuMeter,
@@ -311,12 +324,18 @@ async def main() -> None:
     parser.add_argument("--lag-rate", type=float, default=200.0, help="writes/s during the lag phase")
     parser.add_argument("--lag-seconds", type=float, default=60.0, help="length of the lag phase")
     parser.add_argument("--lag-agents", type=int, default=16, help="agents sharing the lag phase's writes")
-    parser.add_argument("--skip-rate", action="store_true", help="only the lag phase")
-    parser.add_argument("--skip-lag", action="store_true", help="only the archive and verify rates")
+    parser.add_argument("--skip-rate", action="store_true", help="skip the archive and verify rates")
+    parser.add_argument("--skip-lag", action="store_true", help="skip the lag phase")
+    parser.add_argument("--skip-restore", action="store_true", help="skip the restore phase")
+    parser.add_argument("--restore-rounds", type=int, default=3, help="restore rounds (the median is reported)")
     args = parser.parse_args()
     quiet_product_logs()
-    if not args.skip_rate:
-        await rates(args)
+    if not (args.skip_rate and args.skip_restore):
+        async with seeded_history(args) as name:
+            if not args.skip_rate:
+                await rates(args, name)
+            if not args.skip_restore:
+                await restores(args, name)
     if not args.skip_lag:
         print(f"lag phase: {args.lag_rate:g} writes/s for {args.lag_seconds:g} s through the Procfile's processes ...",
               flush=True)
@@ -371,9 +390,9 @@ async def one_round(server_dsn: str, template: str) -> Round:
     return Round(raw, archive, verify)
 
 
-async def rates(args: argparse.Namespace) -> None:
-    """The archive and verify rates against the raw one, median of ``args.rounds`` rounds, each on
-    its own copy of one seeded history (see the module docstring)."""
+@contextlib.asynccontextmanager
+async def seeded_history(args: argparse.Namespace) -> AsyncIterator[str]:
+    """A database seeded with ``args.messages`` messages and vacuumed, to copy rounds from (its name)."""
     name = f"tm_bench_archive_{uuid.uuid4().hex[:8]}"
     async with scratch_database(args.dsn, name) as dsn:
         db = await Database.connect(dsn, min_size=1, max_size=4)
@@ -385,16 +404,22 @@ async def rates(args: argparse.Namespace) -> None:
             await db.pool.execute("vacuum analyze")  # as a corpus at rest: hint bits set, statistics known
         finally:
             await db.close()  # a template has no session open
-        rounds: list[Round] = []
-        for n in range(args.warmup + args.rounds):
-            r = await one_round(args.dsn, name)
-            counted = n >= args.warmup
-            if counted:
-                rounds.append(r)
-            label = f"round {n + 1 - args.warmup}" if counted else f"warm-up round {n + 1} (not counted)"
-            print(f"{label}: raw {r.rate('raw'):,.0f}  archive {r.rate('archive'):,.0f} "
-                  f"({r.ratio('archive'):.2f}x)  verify {r.rate('verify'):,.0f} ({r.ratio('verify'):.2f}x) events/s",
-                  flush=True)
+        yield name
+
+
+async def rates(args: argparse.Namespace, name: str) -> None:
+    """The archive and verify rates against the raw one, median of ``args.rounds`` rounds, each on
+    its own copy of one seeded history ``name`` (see the module docstring)."""
+    rounds: list[Round] = []
+    for n in range(args.warmup + args.rounds):
+        r = await one_round(args.dsn, name)
+        counted = n >= args.warmup
+        if counted:
+            rounds.append(r)
+        label = f"round {n + 1 - args.warmup}" if counted else f"warm-up round {n + 1} (not counted)"
+        print(f"{label}: raw {r.rate('raw'):,.0f}  archive {r.rate('archive'):,.0f} "
+              f"({r.ratio('archive'):.2f}x)  verify {r.rate('verify'):,.0f} ({r.ratio('verify'):.2f}x) events/s",
+              flush=True)
     median = sorted(rounds, key=lambda r: r.ratio("archive"))[len(rounds) // 2]
     verify = sorted(rounds, key=lambda r: r.ratio("verify"))[len(rounds) // 2]
     (rows, raw_s, _), (events, archive_s, _), (verified, verify_s, _) = median.raw, median.archive, verify.verify
@@ -423,6 +448,92 @@ def cpu_lines(median: Round) -> str:
     bound = f"at most {median.raw.seconds / floor:.2f}x raw on this machine with this work" if floor else "no bound"
     return (f"cpu (median round): {parts[0]}\n                    {parts[1]}\n"
             f"                    the archive's CPU work over {cpus} CPUs takes at least {floor:.2f} s: {bound}")
+
+
+#: The tables a restore writes, in the order the raw load copies them (what a row refers to first).
+RESTORED_TABLES = ("agents", "conversations", "messages", "relationships", "retractions", "active_relationships",
+                   "changes", "operations")
+
+
+async def raw_load(source_dsn: str, target_dsn: str) -> Timed:
+    """The restore's baseline: the same rows copied table by table (binary COPY out of the source,
+    COPY into ``target_dsn``, an empty migrated database) in one transaction, so the database does
+    what loading them costs (search vectors, indexes, foreign keys, the read models' trigger) and
+    nothing else: no archive read, no check, no event decoding."""
+    source, target = await asyncpg.connect(source_dsn), await asyncpg.connect(target_dsn)
+    try:
+        watch = Stopwatch()
+        async with target.transaction():
+            for table in RESTORED_TABLES:
+                columns = [r[0] for r in await source.fetch(
+                    "select column_name from information_schema.columns where table_schema = 'public' and "
+                    "table_name = $1 and is_generated = 'NEVER' order by ordinal_position", table)]
+                rows = io.BytesIO()
+                await source.copy_from_table(table, columns=columns, output=rows, format="binary")
+                rows.seek(0)
+                await target.copy_to_table(table, source=rows, columns=columns, format="binary")
+        return watch.stop(int(await target.fetchval("select count(*) from changes")))
+    finally:
+        await asyncio.gather(source.close(), target.close())
+
+
+@contextlib.asynccontextmanager
+async def empty_corpus(server_dsn: str, tag: str) -> AsyncIterator[str]:
+    """A fresh database with the schema migrated and nothing else (what a restore writes into)."""
+    async with scratch_database(server_dsn, f"tm_bench_restore_{tag}_{uuid.uuid4().hex[:6]}") as dsn:
+        db = await Database.connect(dsn, min_size=1, max_size=2)
+        try:
+            await apply_migrations(db)
+        finally:
+            await db.close()
+        yield dsn
+
+
+async def restore_round(server_dsn: str, template: str) -> tuple[Timed, Timed]:
+    """(raw load, restore) of one copy of ``template``: the copy is archived (full segments, as the
+    rate phase does), then loaded raw into one empty database and restored into another."""
+    async with scratch_database(server_dsn, f"{template}_s{uuid.uuid4().hex[:6]}", template=template) as dsn:
+        db = await Database.connect(dsn, min_size=1, max_size=4)
+        try:
+            identity = await ensure_identity(db, None, None)
+            with tempfile.TemporaryDirectory() as tmp:
+                store = ArchiveStore.local(Path(tmp))
+                await archive_rate(db, dsn, store)
+                async with empty_corpus(server_dsn, "raw") as target:
+                    raw = await raw_load(dsn, target)
+                async with empty_corpus(server_dsn, "archive") as target:
+                    into = await Database.connect(target, min_size=1, max_size=2)
+                    try:
+                        watch = Stopwatch()
+                        report = await restore_archive(StoreSource(store), identity.lineage, into)
+                        restored = watch.stop(int(report.counts["changes"]))
+                    finally:
+                        await into.close()
+        finally:
+            await db.close()
+    return raw, restored
+
+
+async def restores(args: argparse.Namespace, name: str) -> None:
+    """The restore rate against the raw load's, median of ``args.restore_rounds`` rounds."""
+    rounds: list[tuple[Timed, Timed]] = []
+    for n in range(args.restore_rounds):
+        raw, restored = await restore_round(args.dsn, name)
+        rounds.append((raw, restored))
+        print(f"restore round {n + 1}: raw load {raw.events / raw.seconds:,.0f}  restore "
+              f"{restored.events / restored.seconds:,.0f} events/s "
+              f"({(restored.events / restored.seconds) / (raw.events / raw.seconds):.2f}x)", flush=True)
+
+    def ratio(r: tuple[Timed, Timed]) -> float:
+        return (r[1].events / r[1].seconds) / (r[0].events / r[0].seconds)
+
+    raw, restored = sorted(rounds, key=ratio)[len(rounds) // 2]
+    print(f"median of {len(rounds)} restore rounds:")
+    print(f"raw load (COPY of the restored tables into an empty migrated database, one transaction): "
+          f"{raw.events:,} changes in {raw.seconds:.2f} s = {raw.events / raw.seconds:,.0f} events/s")
+    print(f"restore (verify and load the archive, one transaction): {restored.events:,} changes in "
+          f"{restored.seconds:.2f} s = {restored.events / restored.seconds:,.0f} events/s "
+          f"({ratio((raw, restored)):.2f}x the raw load; no target)")
 
 
 if __name__ == "__main__":
