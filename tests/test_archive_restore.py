@@ -210,9 +210,11 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
     """Load, archive with the real archiver, verify, restore: the same corpus under a fresh lineage.
 
     The loader's in-transaction ANALYZE (due every time its event count doubles from
-    ``ANALYZE_FROM``, 5,000 in production) is made due from the third event, so this restore runs
-    it several times between its segments and must still give the same corpus."""
+    ``ANALYZE_FROM``, 5,000 in production) is made due from the third event, and the restore writes
+    each segment as a run of its own (``RUN_EVENTS``, 4,000 in production), so this restore runs it
+    several times between its segments and must still give the same corpus."""
     monkeypatch.setattr(load, "ANALYZE_FROM", 3)
+    monkeypatch.setattr("actors.recovery.restore.RUN_EVENTS", 1)
     amqp_url, server = stack_backends
     original = Original()
     store = ArchiveStore.local(tmp_path / "archive")

@@ -121,25 +121,40 @@ async def _apply_private(conn: Any, walk: PrivateWalk, kind: type[AgentRecord | 
     return applied
 
 
-def _rows_of(loader: HistoryLoader, segment: DecodedSegment) -> LoadBatch:
-    return loader.prepare([(e.sequence, orjson.loads(e.body)) for e in segment.events])
+#: Events written per run of statements at least (whole segments are gathered up to it): fewer,
+#: larger statements, each firing the read models' trigger once. Measured on a 120,000-event
+#: restore: 5-6% faster than a run per 500-event segment (the rest is per-row work in the database).
+RUN_EVENTS = 4000
+
+
+def _rows_of(loader: HistoryLoader, segments: list[DecodedSegment]) -> LoadBatch:
+    return loader.prepare([(e.sequence, orjson.loads(e.body)) for segment in segments for e in segment.events])
 
 
 async def _load_history(walk: ArchiveWalk, loader: HistoryLoader) -> None:
-    """Write every segment the walk passes, in order, each one's rows made (in a worker thread)
-    while the database writes the segment before it.
+    """Write every segment the walk passes, in order, in runs of about :data:`RUN_EVENTS` events,
+    each run's rows made (in a worker thread) while the database writes the run before it.
 
     The database is most of a restore's time (measured on a 120,000-event restore: about 27 of 33
-    s awaiting statements, above all the messages' search vectors), and making a segment's rows
-    (JSON, times, tuples) most of the rest: overlapped, the second hides behind the first.
+    s awaiting statements, above all the messages' search vectors), and making the rows (JSON,
+    times, tuples) most of the rest: overlapped, the second hides behind the first.
     """
     writing: asyncio.Task[None] | None = None
+    run: list[DecodedSegment] = []
+
+    async def write(segments: list[DecodedSegment]) -> asyncio.Task[None]:
+        batch = await asyncio.to_thread(_rows_of, loader, segments)
+        if writing is not None:
+            await writing  # runs in order: a run's rows may refer to the one before
+        return asyncio.ensure_future(loader.apply(batch))
+
     try:
         async for segment in walk.segments():
-            batch = await asyncio.to_thread(_rows_of, loader, segment)
-            if writing is not None:
-                await writing  # runs in order: a segment's rows may refer to the one before
-            writing = asyncio.ensure_future(loader.apply(batch))
+            run.append(segment)
+            if sum(s.event_count for s in run) >= RUN_EVENTS:
+                writing, run = await write(run), []
+        if run:
+            writing = await write(run)
         if writing is not None:
             await writing
     finally:
