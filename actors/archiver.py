@@ -466,6 +466,10 @@ class Archiver(Actor):
         self._wake = asyncio.Event()
         self._consumer: Consumer | None = None
         self._probed = False
+        #: Set once this process's sweep of leftover staging files is done (it runs beside the
+        #: rounds: on a large directory store, walking every folder takes a while).
+        self.staging_swept = asyncio.Event()
+        self._sweeping: asyncio.Task[None] | None = None
         self._progress = asyncio.Event()
         #: Per stream: the batches after the current one, read and encoded ahead while it is put and read back.
         self._ahead: dict[Stream, ReadAhead[_Encoded, CompactTree]] = {}
@@ -519,6 +523,8 @@ class Archiver(Actor):
     async def close(self) -> None:
         self._drop_read_ahead()
         self._drop_checking()
+        if self._sweeping is not None and not self._sweeping.done():
+            self._sweeping.cancel()  # the walk's thread finishes on its own; nothing waits for it
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)
@@ -536,6 +542,15 @@ class Archiver(Actor):
             "archiver", self.log, self._stop_requested,
             lambda: open_lock_session(self.db, self.dsn, ARCHIVER_LOCK, application_name(self.node_id)),
             self._archive_while_active, self._inactive, self.standby_interval)
+
+    async def _sweep_staging(self) -> None:
+        """Remove the staging files a crash left behind, once per process, beside the rounds (the
+        sweep only removes files an hour old, never a put's own, and never raises)."""
+        swept, left = await self.store.sweep_staging()
+        if swept or left:
+            self.log.info("archiver.staging_swept", removed=swept, left=left,
+                          detail="staging files a crash left behind (left: not removable)")
+        self.staging_swept.set()
 
     def _inactive(self) -> None:
         self.active = False
@@ -564,10 +579,8 @@ class Archiver(Actor):
             try:
                 if not self._probed:
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
-                    swept, left = await self.store.sweep_staging()
-                    if swept or left:
-                        self.log.info("archiver.staging_swept", removed=swept, left=left,
-                                      detail="staging files a crash left behind (left: not removable)")
+                    if self._sweeping is None:
+                        self._sweeping = asyncio.ensure_future(self._sweep_staging())
                     self._probed = True
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])

@@ -454,8 +454,9 @@ async def test_an_activation_sweeps_the_staging_files_a_crash_left(stack: Stack,
         path.write_bytes(b"half a segment")
     os.utime(stale, (time.time() - STAGING_MAX_AGE - 1,) * 2)
     await write_messages(stack, 2)
-    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)):
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600)) as archiver:
         await published(stack, 1)
+        await asyncio.wait_for(archiver.staging_swept.wait(), WAIT)  # it runs beside the rounds
     assert not stale.exists() and young.exists()
 
 
