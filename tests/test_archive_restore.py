@@ -343,6 +343,8 @@ def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> 
         {**good, "data": {"message": {**message, "created_at": "2026-02-30T10:00:00.123Z"}}},  # no such day
         {**good, "type": "message.edited"},  # no such change
         {**good, "corpus_id": str(uuid.uuid4())},  # another corpus
+        {**good, "data": {"message": {**message, "mentions": [7]}}},  # a mention that is not an agent
+        [1, 2],  # not an object
     ]
     for envelope in broken:
         with pytest.raises(load.LoadRefused, match="change 7 "):

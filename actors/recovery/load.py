@@ -99,11 +99,13 @@ class HistoryLoader:
         while :meth:`apply` writes the run before. LoadRefused when an event cannot be written."""
         batch = LoadBatch()
         for sequence, envelope in events:
+            if not isinstance(envelope, dict):
+                raise LoadRefused(f"archived change {sequence} is not a JSON object")
             if envelope.get("corpus_id") != self.corpus_id or envelope.get("sequence") != sequence:
                 raise LoadRefused(f"archived change {sequence} names another corpus or sequence")
             try:
                 self._rows(batch, sequence, envelope)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise LoadRefused(f"archived change {sequence} is not a well-formed event "
                                   f"({type(e).__name__})") from None
         return batch

@@ -128,7 +128,14 @@ RUN_EVENTS = 4000
 
 
 def _rows_of(loader: HistoryLoader, segments: list[DecodedSegment]) -> LoadBatch:
-    return loader.prepare([(e.sequence, orjson.loads(e.body)) for segment in segments for e in segment.events])
+    events = []
+    for segment in segments:
+        for e in segment.events:
+            try:
+                events.append((e.sequence, orjson.loads(e.body)))
+            except orjson.JSONDecodeError:
+                raise LoadRefused(f"archived change {e.sequence} is not JSON") from None
+    return loader.prepare(events)
 
 
 async def _load_history(walk: ArchiveWalk, loader: HistoryLoader) -> None:
