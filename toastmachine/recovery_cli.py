@@ -175,15 +175,31 @@ def _nothing(source: str, message: str = "no archived lineage in the store") -> 
 
 # --- archive restore -------------------------------------------------------------------------------
 
+#: Seconds between two progress lines of ``archive restore`` at least.
+RESTORE_PROGRESS_EVERY = 5.0
+
 
 def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
     """Restore an archive into an EMPTY database under a fresh lineage (verified before anything is written)."""
-    from actors.recovery.restore import RestoreRefused, restore_archive
+    from actors.recovery.restore import RestoreProgress, RestoreRefused, restore_archive
     from actors.recovery.walk import StoreSource
     from toastmachine.node import open_database
 
     store = open_store(settings, args.source)
     trusted = pinned_key(args.public_key) or operator_key(settings)
+    shown = [-RESTORE_PROGRESS_EVERY]
+
+    def progress(at: RestoreProgress) -> None:
+        # On stderr (stdout is the JSON report): the first run, then one line per interval, and
+        # the last, so a long restore shows it is moving and how far it has to go.
+        if at.seconds - shown[0] < RESTORE_PROGRESS_EVERY and at.changes_written < at.changes_archived:
+            return
+        shown[0] = at.seconds
+        share = f" ({100 * at.changes_written / at.changes_archived:.0f}%)" if at.changes_archived else ""
+        rate = at.changes_written / at.seconds if at.seconds > 0 else 0.0
+        print(f"toastmachine: restore: {at.changes_written:,} of {at.changes_archived:,} archived changes "
+              f"written{share}, through sequence {at.through_sequence:,}, {rate:,.0f} changes/s "
+              "(committed once all is checked)", file=sys.stderr, flush=True)
 
     async def go() -> dict[str, Any]:
         lineage = args.lineage or await only_lineage(store)
@@ -193,7 +209,7 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         async with open_database(settings) as (db, _embedded, _label):
             report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
                                            new_lineage=args.new_lineage or settings.lineage,
-                                           republish=args.republish)
+                                           republish=args.republish, progress=progress)
         if settings.corpus_id is not None and settings.corpus_id != report.corpus_id:
             # Written already (the archive decides the corpus); say so before a node refuses to start.
             print(f"toastmachine: note: TOASTMACHINE_CORPUS_ID={settings.corpus_id} but the restored corpus is "

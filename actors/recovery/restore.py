@@ -30,7 +30,9 @@ consent again), rate-limit state and the curated guide (``toastmachine guide set
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,22 +140,44 @@ def _rows_of(loader: HistoryLoader, segments: list[DecodedSegment]) -> LoadBatch
     return loader.prepare(events)
 
 
-async def _load_history(walk: ArchiveWalk, loader: HistoryLoader) -> None:
+@dataclass(frozen=True, slots=True)
+class RestoreProgress:
+    """How far a restore's history load is: reported after each run of segments is written (the
+    transaction is still open: nothing is visible yet)."""
+
+    changes_written: int
+    #: Events the archive's manifest lists: the load's end, if every segment checks.
+    changes_archived: int
+    through_sequence: int
+    seconds: float
+
+
+async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
+                        progress: Callable[[RestoreProgress], None] | None = None) -> None:
     """Write every segment the walk passes, in order, in runs of about :data:`RUN_EVENTS` events,
-    each run's rows made (in a worker thread) while the database writes the run before it.
+    each run's rows made (in a worker thread) while the database writes the run before it;
+    ``progress`` is told after each run.
 
     The database is most of a restore's time (measured on a 120,000-event restore: about 27 of 33
     s awaiting statements, above all the messages' search vectors), and making the rows (JSON,
     times, tuples) most of the rest: overlapped, the second hides behind the first.
     """
+    started = time.monotonic()
+    archived = walk.manifest.tree_size if walk.manifest is not None else 0
     writing: asyncio.Task[None] | None = None
     run: list[DecodedSegment] = []
+
+    async def apply(batch: LoadBatch) -> None:
+        await loader.apply(batch)
+        if progress is not None:
+            progress(RestoreProgress(loader.counts["changes"], archived, loader.last_sequence,
+                                     time.monotonic() - started))
 
     async def write(segments: list[DecodedSegment]) -> asyncio.Task[None]:
         batch = await asyncio.to_thread(_rows_of, loader, segments)
         if writing is not None:
             await writing  # runs in order: a run's rows may refer to the one before
-        return asyncio.ensure_future(loader.apply(batch))
+        return asyncio.ensure_future(apply(batch))
 
     try:
         async for segment in walk.segments():
@@ -175,13 +199,15 @@ async def _load_history(walk: ArchiveWalk, loader: HistoryLoader) -> None:
 
 async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target, *,
                           trusted: VerifierKey | None = None, new_lineage: uuid.UUID | None = None,
-                          republish: bool = False) -> RestoreReport:
+                          republish: bool = False,
+                          progress: Callable[[RestoreProgress], None] | None = None) -> RestoreReport:
     """Restore the archive of ``lineage`` from ``source`` into the empty database ``db``.
 
     ``trusted``: the pinned verifier key (None: the archive's own); ``new_lineage``: the fresh
     lineage to use (default a random one; never the parent's); ``republish``: leave the publisher's
-    cursor at 0 so the whole restored history is published again. RestoreRefused when anything
-    is wrong; nothing is written then.
+    cursor at 0 so the whole restored history is published again; ``progress``: told how far the
+    history load is after each run it writes (see :class:`RestoreProgress`). RestoreRefused when
+    anything is wrong; nothing is written then.
     """
     new_lineage = new_lineage or uuid.uuid4()
     if new_lineage == lineage:
@@ -212,7 +238,7 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
             raise RestoreRefused("the private stream does not verify", private.findings)
         loader = HistoryLoader(conn, str(corpus_id), str(new_lineage))
         try:
-            await _load_history(walk, loader)
+            await _load_history(walk, loader, progress)
         except LoadRefused as e:
             raise RestoreRefused(str(e)) from None
         except asyncpg.IntegrityConstraintViolationError as e:
