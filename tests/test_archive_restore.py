@@ -27,7 +27,8 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from actors.recovery import load
-from actors.recovery.restore import RestoreProgress, RestoreRefused, restore_archive
+from actors.recovery.load import LoadProgress
+from actors.recovery.restore import RestoreRefused, restore_archive
 from actors.recovery.verify import verify_archive
 from actors.recovery.walk import StoreSource
 from infra.archive_store import ArchiveStore
@@ -232,12 +233,12 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
             db = await Database.connect(dsn, min_size=1, max_size=2)
             try:
                 await apply_migrations(db)
-                told: list[RestoreProgress] = []
+                told: list[LoadProgress] = []
                 report = (await restore_archive(StoreSource(store), parent.lineage, db, progress=told.append)).to_json()
                 # Told after each run (here one a segment), in order, up to every archived change.
                 assert len(told) == verified.archive.segments_checked >= 2
-                assert [t.changes_written for t in told] == sorted({t.changes_written for t in told})
-                assert told[-1].changes_written == told[-1].changes_archived == report["counts"]["changes"]
+                assert [t.changes_done for t in told] == sorted({t.changes_done for t in told})
+                assert told[-1].changes_done == told[-1].changes_archived == report["counts"]["changes"]
                 assert told[-1].through_sequence == report["restored_through"]
                 assert await db.pool.fetchval("select analyze_count from pg_stat_user_tables "
                                               "where relname = 'changes'") >= 2
@@ -331,7 +332,7 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
                 changes = report["counts"]["changes"]
                 lines = [line for line in err.decode().splitlines() if line.startswith("toastmachine: restore: ")]
                 assert lines and lines[-1].startswith(
-                    f"toastmachine: restore: {changes:,} of {changes:,} archived changes written (100%), "
+                    f"toastmachine: restore: {changes:,} of {changes:,} archived changes loaded (100%), "
                     f"through sequence {report['restored_through']:,}, "), err
             else:
                 assert b"not empty" in err and archived.key.text().encode() not in err + out

@@ -218,12 +218,19 @@ async def test_the_mirror_command_as_pasted(database_url: str, tmp_path: Path) -
     async with fresh_database(database_url) as dsn:
         env = {"TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data")}
         key = archived.key.verifier().text()
-        for _ in range(2):  # building, then resuming
+        for build in (True, False):  # building, then resuming
             code, out, err = await _cli(env, "mirror", "--from", str(tmp_path / "archive"), "--public-key", key,
                                         "--once")
             assert code == 0, err
             report = orjson.loads(out)
             assert report["tree_size"] == archived.size and report["root"] == archived.root.hex()
+            # The build says how far it is on stderr (its last step at least); resuming, nothing new.
+            progress = [line for line in err.decode().splitlines() if line.startswith("toastmachine: mirror: ")]
+            if build:
+                assert progress and progress[-1].startswith(
+                    f"toastmachine: mirror: {archived.size:,} of {archived.size:,} archived changes loaded (100%)"), err
+            else:
+                assert progress == [], err
         stranger = generate_signer_key(archived.key.name).verifier().text()
         # A mistyped store path: a usage error naming it, and no empty archive made there.
         code, _, err = await _cli(env, "mirror", "--from", str(tmp_path / "archiv"), "--public-key", key, "--once")

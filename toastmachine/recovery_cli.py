@@ -14,7 +14,7 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -23,6 +23,9 @@ from infra.archive_store import ArchiveStore, S3Options
 from infra.config import Settings
 from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
 from protocol.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where used: the command line starts without the actors
+    from actors.recovery.load import LoadProgress
 
 
 def _print_json(value: Any) -> None:
@@ -175,32 +178,37 @@ def _nothing(source: str, message: str = "no archived lineage in the store") -> 
 
 # --- archive restore -------------------------------------------------------------------------------
 
-#: Seconds between two progress lines of ``archive restore`` at least.
-RESTORE_PROGRESS_EVERY = 5.0
+#: Seconds between two progress lines of ``archive restore`` (and a mirror's archive rounds) at least.
+PROGRESS_EVERY = 5.0
+
+
+def progress_printer(command: str) -> Callable[[LoadProgress], None]:
+    """What tells an operator on stderr (stdout carries the command's JSON) how far a load of
+    archived history is: its first step, then a line per :data:`PROGRESS_EVERY` seconds, and its
+    last, so a long restore or first mirror build shows it is moving and how far it has to go."""
+    shown = [-PROGRESS_EVERY]
+
+    def show(at: LoadProgress) -> None:
+        if at.seconds - shown[0] < PROGRESS_EVERY and at.changes_done < at.changes_archived:
+            return
+        shown[0] = at.seconds
+        share = f" ({100 * at.changes_done / at.changes_archived:.0f}%)" if at.changes_archived else ""
+        rate = at.changes_done / at.seconds if at.seconds > 0 else 0.0
+        print(f"toastmachine: {command}: {at.changes_done:,} of {at.changes_archived:,} archived changes "
+              f"loaded{share}, through sequence {at.through_sequence:,}, {rate:,.0f} changes/s "
+              "(committed once all is checked)", file=sys.stderr, flush=True)
+
+    return show
 
 
 def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
     """Restore an archive into an EMPTY database under a fresh lineage (verified before anything is written)."""
-    from actors.recovery.restore import RestoreProgress, RestoreRefused, restore_archive
+    from actors.recovery.restore import RestoreRefused, restore_archive
     from actors.recovery.walk import StoreSource
     from toastmachine.node import open_database
 
     store = open_store(settings, args.source)
     trusted = pinned_key(args.public_key) or operator_key(settings)
-    shown = [-RESTORE_PROGRESS_EVERY]
-
-    def progress(at: RestoreProgress) -> None:
-        # On stderr (stdout is the JSON report): the first run, then one line per interval, and
-        # the last, so a long restore shows it is moving and how far it has to go.
-        if at.seconds - shown[0] < RESTORE_PROGRESS_EVERY and at.changes_written < at.changes_archived:
-            return
-        shown[0] = at.seconds
-        share = f" ({100 * at.changes_written / at.changes_archived:.0f}%)" if at.changes_archived else ""
-        rate = at.changes_written / at.seconds if at.seconds > 0 else 0.0
-        print(f"toastmachine: restore: {at.changes_written:,} of {at.changes_archived:,} archived changes "
-              f"written{share}, through sequence {at.through_sequence:,}, {rate:,.0f} changes/s "
-              "(committed once all is checked)", file=sys.stderr, flush=True)
-
     async def go() -> dict[str, Any]:
         lineage = args.lineage or await only_lineage(store)
         if lineage is None:
@@ -209,7 +217,7 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         async with open_database(settings) as (db, _embedded, _label):
             report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
                                            new_lineage=args.new_lineage or settings.lineage,
-                                           republish=args.republish, progress=progress)
+                                           republish=args.republish, progress=progress_printer("restore"))
         if settings.corpus_id is not None and settings.corpus_id != report.corpus_id:
             # Written already (the archive decides the corpus); say so before a node refuses to start.
             print(f"toastmachine: note: TOASTMACHINE_CORPUS_ID={settings.corpus_id} but the restored corpus is "
@@ -244,7 +252,8 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
 
     async def open_mirror(session: aiohttp.ClientSession, db: Any) -> Mirror:
         source, lineage = await _mirror_source(settings, session, args, node_url)
-        return Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session)
+        return Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session,
+                      progress=progress_printer("mirror"))
 
     async def catch_up(mirror: Mirror) -> None:
         await mirror.archive_round()

@@ -73,6 +73,19 @@ class LoadBatch:
     last_sequence: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """How far a load of archived history is (a restore, a mirror's archive round): told after each
+    run it writes, inside its transaction (nothing is visible until that commits)."""
+
+    #: Archived changes gone through so far (written, or found applied already by a mirror's tail).
+    changes_done: int
+    #: Changes the archive's manifest lists: the end of the load, if every segment checks.
+    changes_archived: int
+    through_sequence: int
+    seconds: float
+
+
 class HistoryLoader:
     """Writes change events (original sequences) as the corpus writer would have written their rows.
 

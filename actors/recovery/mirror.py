@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import aiohttp
 import orjson
 
 from actors.reads.archive import MANIFEST_PATH
-from actors.recovery.load import HistoryLoader, as_mirror, ensure_authors
+from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, ensure_authors
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
 from infra.config import redact_url
 from infra.db import Database, connection
@@ -211,7 +212,10 @@ class Mirror:
     """
 
     def __init__(self, source: Any, lineage: uuid.UUID, db: Database, *, trusted: VerifierKey,
-                 node_url: str | None = None, session: aiohttp.ClientSession | None = None) -> None:
+                 node_url: str | None = None, session: aiohttp.ClientSession | None = None,
+                 progress: Callable[[LoadProgress], None] | None = None) -> None:
+        """``progress``: told after each segment an archive round goes through (a first build of a
+        long archive is one round, one transaction, and takes a while)."""
         if node_url is not None and session is None:
             raise ValueError("a node URL needs an HTTP session")
         self.source = source
@@ -220,6 +224,7 @@ class Mirror:
         self.trusted = trusted
         self.node_url = node_url.rstrip("/") if node_url else None
         self.session = session
+        self.progress = progress
         self.state: MirrorState | None = None
 
     # --- state -----------------------------------------------------------------------------------
@@ -303,6 +308,7 @@ class Mirror:
             loader = HistoryLoader(conn, str(corpus_id), str(self.lineage))
             tree = state.tree.copy()
             previous = state.segment_hash
+            started = time.monotonic()
             for entry in manifest.segments[state.segment_index + 1:]:
                 key = segment_key(self.lineage, entry.index, entry.first_sequence, entry.last_sequence)
                 try:
@@ -319,6 +325,9 @@ class Mirror:
                 previous = segment.hash
                 state.segment_index, state.segment_hash = entry.index, segment.hash
                 state.verified_through = segment.last_sequence
+                if self.progress is not None:
+                    self.progress(LoadProgress(tree.size, manifest.tree_size, segment.last_sequence,
+                                               time.monotonic() - started))
             if tree.size != checkpoint.size or tree.root() != checkpoint.root:
                 # Nothing of this round is committed: the checkpoint does not vouch for these segments.
                 raise MirrorFork(f"the checkpoint of size {checkpoint.size} does not extend the verified tree of "

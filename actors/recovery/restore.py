@@ -39,7 +39,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from actors.recovery.load import HistoryLoader, LoadBatch, LoadRefused
+from actors.recovery.load import HistoryLoader, LoadBatch, LoadProgress, LoadRefused
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk
 from actors.writer.store import SEQUENCE_LOCK
 from infra.db import Target, connection
@@ -140,20 +140,8 @@ def _rows_of(loader: HistoryLoader, segments: list[DecodedSegment]) -> LoadBatch
     return loader.prepare(events)
 
 
-@dataclass(frozen=True, slots=True)
-class RestoreProgress:
-    """How far a restore's history load is: reported after each run of segments is written (the
-    transaction is still open: nothing is visible yet)."""
-
-    changes_written: int
-    #: Events the archive's manifest lists: the load's end, if every segment checks.
-    changes_archived: int
-    through_sequence: int
-    seconds: float
-
-
 async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
-                        progress: Callable[[RestoreProgress], None] | None = None) -> None:
+                        progress: Callable[[LoadProgress], None] | None = None) -> None:
     """Write every segment the walk passes, in order, in runs of about :data:`RUN_EVENTS` events,
     each run's rows made (in a worker thread) while the database writes the run before it;
     ``progress`` is told after each run.
@@ -170,7 +158,7 @@ async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
     async def apply(batch: LoadBatch) -> None:
         await loader.apply(batch)
         if progress is not None:
-            progress(RestoreProgress(loader.counts["changes"], archived, loader.last_sequence,
+            progress(LoadProgress(loader.counts["changes"], archived, loader.last_sequence,
                                      time.monotonic() - started))
 
     async def write(segments: list[DecodedSegment]) -> asyncio.Task[None]:
@@ -200,13 +188,13 @@ async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
 async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target, *,
                           trusted: VerifierKey | None = None, new_lineage: uuid.UUID | None = None,
                           republish: bool = False,
-                          progress: Callable[[RestoreProgress], None] | None = None) -> RestoreReport:
+                          progress: Callable[[LoadProgress], None] | None = None) -> RestoreReport:
     """Restore the archive of ``lineage`` from ``source`` into the empty database ``db``.
 
     ``trusted``: the pinned verifier key (None: the archive's own); ``new_lineage``: the fresh
     lineage to use (default a random one; never the parent's); ``republish``: leave the publisher's
     cursor at 0 so the whole restored history is published again; ``progress``: told how far the
-    history load is after each run it writes (see :class:`RestoreProgress`). RestoreRefused when
+    history load is after each run it writes (see :class:`LoadProgress`). RestoreRefused when
     anything is wrong; nothing is written then.
     """
     new_lineage = new_lineage or uuid.uuid4()
