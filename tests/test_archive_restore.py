@@ -362,3 +362,31 @@ def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> 
     for envelope in broken:
         with pytest.raises(load.LoadRefused, match="change 7 "):
             loader.prepare([(7, envelope)])
+
+
+def test_the_progress_lines_show_each_loads_first_and_last_step_and_one_per_interval(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from toastmachine.recovery_cli import PROGRESS_EVERY, progress_printer
+
+    def lines() -> list[str]:
+        captured = capsys.readouterr()
+        assert captured.out == ""  # stdout is the command's JSON alone
+        return captured.err.splitlines()
+
+    show = progress_printer("restore")
+    step = PROGRESS_EVERY / 4
+    for n in range(1, 10):  # 9 steps over 2 intervals: the first, one per interval, the last
+        show(LoadProgress(n * 1000, 9000, n * 1000, n * step))
+    shown = lines()
+    assert [line.split(" of ")[0] for line in shown] == [
+        "toastmachine: restore: 1,000", "toastmachine: restore: 5,000", "toastmachine: restore: 9,000"]
+    assert shown[-1].startswith("toastmachine: restore: 9,000 of 9,000 archived changes loaded (100%), "
+                                "through sequence 9,000, ")
+    # A follower's rounds: a small one says nothing; a catch-up round shows its own first step.
+    follow = progress_printer("mirror", min_changes=4000)
+    follow(LoadProgress(9500, 9500, 9500, 0.1, changes_at_start=9000))
+    assert lines() == []
+    follow(LoadProgress(10_000, 20_000, 10_000, 0.1, changes_at_start=9500))
+    follow(LoadProgress(11_000, 20_000, 11_000, 0.2, changes_at_start=9500))
+    follow(LoadProgress(20_000, 20_000, 20_000, 0.3, changes_at_start=9500))
+    assert [line.split(" of ")[0] for line in lines()] == ["toastmachine: mirror: 10,000", "toastmachine: mirror: 20,000"]

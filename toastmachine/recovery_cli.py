@@ -182,13 +182,24 @@ def _nothing(source: str, message: str = "no archived lineage in the store") -> 
 PROGRESS_EVERY = 5.0
 
 
-def progress_printer(command: str) -> Callable[[LoadProgress], None]:
+#: A following mirror reports only rounds of at least this many changes (a catch-up), not each
+#: segment the node archives.
+FOLLOWING_PROGRESS_FROM = 4000
+
+
+def progress_printer(command: str, *, min_changes: int = 0) -> Callable[[LoadProgress], None]:
     """What tells an operator on stderr (stdout carries the command's JSON) how far a load of
     archived history is: its first step, then a line per :data:`PROGRESS_EVERY` seconds, and its
-    last, so a long restore or first mirror build shows it is moving and how far it has to go."""
+    last, so a long restore or first mirror build shows it is moving and how far it has to go.
+    Loads of fewer than ``min_changes`` changes say nothing."""
+    load = [-1]  # the changes_at_start of the load being shown (a mirror's rounds each start anew)
     shown = [-PROGRESS_EVERY]
 
     def show(at: LoadProgress) -> None:
+        if at.changes_archived - at.changes_at_start < min_changes:
+            return
+        if at.changes_at_start != load[0]:
+            load[0], shown[0] = at.changes_at_start, -PROGRESS_EVERY  # a new load: its first step shows
         if at.seconds - shown[0] < PROGRESS_EVERY and at.changes_done < at.changes_archived:
             return
         shown[0] = at.seconds
@@ -253,7 +264,7 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
     async def open_mirror(session: aiohttp.ClientSession, db: Any) -> Mirror:
         source, lineage = await _mirror_source(settings, session, args, node_url)
         return Mirror(source, lineage, db, trusted=trusted, node_url=node_url, session=session,
-                      progress=progress_printer("mirror"))
+                      progress=progress_printer("mirror", min_changes=0 if args.once else FOLLOWING_PROGRESS_FROM))
 
     async def catch_up(mirror: Mirror) -> None:
         await mirror.archive_round()

@@ -84,6 +84,8 @@ class LoadProgress:
     changes_archived: int
     through_sequence: int
     seconds: float
+    #: ``changes_done`` when this load began (a mirror's round starts where the last one ended).
+    changes_at_start: int = 0
 
 
 class HistoryLoader:

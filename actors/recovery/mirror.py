@@ -327,7 +327,7 @@ class Mirror:
                 state.verified_through = segment.last_sequence
                 if self.progress is not None:
                     self.progress(LoadProgress(tree.size, manifest.tree_size, segment.last_sequence,
-                                               time.monotonic() - started))
+                                               time.monotonic() - started, state.tree.size))
             if tree.size != checkpoint.size or tree.root() != checkpoint.root:
                 # Nothing of this round is committed: the checkpoint does not vouch for these segments.
                 raise MirrorFork(f"the checkpoint of size {checkpoint.size} does not extend the verified tree of "
