@@ -30,8 +30,8 @@ same warm cache for both sides), and measures, in events per second:
   checkpoint), in segments of 500 events. At 200 writes/s a segment fills in 2.5 s, so the open
   segment alone accounts for up to one segment of lag.
 
-- **restore**: each round archives its own copy of the seeded history (full segments, as the
-  archive measurement does), then restores that archive into an empty migrated database with
+- **restore**: each round archives its own copy of the seeded history (all of it, the private
+  stream too), then restores that archive into an empty migrated database with
   ``restore_archive`` (as ``toastmachine archive restore``: verified and
   loaded in one transaction), against the **raw load**: the same tables copied from the copy into
   another empty migrated database with binary COPY, in one transaction (the database's own cost
@@ -125,6 +125,11 @@ class Timed(NamedTuple):
     seconds: float
     busy: Busy
 
+    @property
+    def rate(self) -> float:
+        """Events per second."""
+        return self.events / self.seconds
+
 
 class Stopwatch:
     """Times one measurement and meters the CPUs over exactly the same interval."""
@@ -162,16 +167,24 @@ async def raw_rate(dsn: str) -> Timed:
     return watch.stop(rows)
 
 
-async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> Timed:
-    """Events the archiver published from a cold start, and the seconds it took."""
+#: True once every private record is captured and published (a restore needs the private stream).
+_PRIVATE_CAUGHT_UP = (
+    "select not exists (select 1 from archive_private_pending) and (select count(*) from archive_private_records) = "
+    "(select coalesce(max(tree_size), 0) from archive_segments where stream = 1 and state = 'published')")
+
+
+async def archive_rate(db: Database, dsn: str, store: ArchiveStore, *, whole: bool = False) -> Timed:
+    """Events the archiver published from a cold start, and the seconds it took: every full
+    segment's; ``whole``: the whole history's, the private stream's too (each open segment sealed
+    at once), as a restore needs it."""
     identity = await ensure_identity(db, None, None)
     signer = generate_signer_key(archive_origin(identity.corpus_id))
     head = int(await db.pool.fetchval("select count(*) from changes"))
-    full = head - head % SealPolicy().events
+    full = head if whole else head - head % SealPolicy().events
     bus = make_bus(None)
     await bus.connect()
     archiver = Archiver(bus, db, identity=identity, store=store, signer=signer, node_id="bench", dsn=dsn,
-                        policy=SealPolicy(seconds=3600), sweep_interval=0.05)
+                        policy=SealPolicy(seconds=0.0 if whole else 3600), sweep_interval=0.05)
     watch = Stopwatch()
     await archiver.start()
     try:
@@ -183,6 +196,9 @@ async def archive_rate(db: Database, dsn: str, store: ArchiveStore) -> Timed:
             async with asyncio.timeout(120):
                 await archiver.wait_progress()
         timed = watch.stop(full)
+        while whole and not await db.pool.fetchval(_PRIVATE_CAUGHT_UP):
+            async with asyncio.timeout(120):
+                await archiver.wait_progress()
         published = int(await db.pool.fetchval(
             "select coalesce(max(tree_size), 0) from archive_segments where stream = 0 and state = 'published'"))
         assert published >= full, f"the archiver reported {full} events published, the database {published}"
@@ -360,7 +376,7 @@ class Round:
 
     def rate(self, which: str) -> float:
         timed: Timed = getattr(self, which)
-        return timed.events / timed.seconds
+        return timed.rate
 
     def ratio(self, which: str) -> float:
         return self.rate(which) / self.rate("raw")
@@ -376,7 +392,7 @@ async def one_round(server_dsn: str, template: str) -> Round:
         # The raw side is a read of well under a second, and here it varies by a fifth read after
         # read on one copy: its median of RAW_READS reads is the round's raw rate.
         reads = [await raw_rate(dsn) for _ in range(RAW_READS)]
-        raw = sorted(reads, key=lambda r: r.events / r.seconds)[len(reads) // 2]
+        raw = sorted(reads, key=lambda r: r.rate)[len(reads) // 2]
         db = await Database.connect(dsn, min_size=1, max_size=4)
         try:
             identity = await ensure_identity(db, None, None)
@@ -490,15 +506,15 @@ async def empty_corpus(server_dsn: str, tag: str) -> AsyncIterator[str]:
 
 
 async def restore_round(server_dsn: str, template: str) -> tuple[Timed, Timed]:
-    """(raw load, restore) of one copy of ``template``: the copy is archived (full segments, as the
-    rate phase does), then loaded raw into one empty database and restored into another."""
+    """(raw load, restore) of one copy of ``template``: the copy is archived (all of it, the
+    private stream too), then loaded raw into one empty database and restored into another."""
     async with scratch_database(server_dsn, f"{template}_s{uuid.uuid4().hex[:6]}", template=template) as dsn:
         db = await Database.connect(dsn, min_size=1, max_size=4)
         try:
             identity = await ensure_identity(db, None, None)
             with tempfile.TemporaryDirectory() as tmp:
                 store = ArchiveStore.local(Path(tmp))
-                await archive_rate(db, dsn, store)
+                await archive_rate(db, dsn, store, whole=True)
                 async with empty_corpus(server_dsn, "raw") as target:
                     raw = await raw_load(dsn, target)
                 async with empty_corpus(server_dsn, "archive") as target:
@@ -516,23 +532,23 @@ async def restore_round(server_dsn: str, template: str) -> tuple[Timed, Timed]:
 
 async def restores(args: argparse.Namespace, name: str) -> None:
     """The restore rate against the raw load's, median of ``args.restore_rounds`` rounds."""
+
+    def ratio(r: tuple[Timed, Timed]) -> float:
+        return r[1].rate / r[0].rate
+
     rounds: list[tuple[Timed, Timed]] = []
     for n in range(args.restore_rounds):
         raw, restored = await restore_round(args.dsn, name)
         rounds.append((raw, restored))
-        print(f"restore round {n + 1}: raw load {raw.events / raw.seconds:,.0f}  restore "
-              f"{restored.events / restored.seconds:,.0f} events/s "
-              f"({(restored.events / restored.seconds) / (raw.events / raw.seconds):.2f}x)", flush=True)
-
-    def ratio(r: tuple[Timed, Timed]) -> float:
-        return (r[1].events / r[1].seconds) / (r[0].events / r[0].seconds)
+        print(f"restore round {n + 1}: raw load {raw.rate:,.0f}  restore {restored.rate:,.0f} events/s "
+              f"({ratio((raw, restored)):.2f}x)", flush=True)
 
     raw, restored = sorted(rounds, key=ratio)[len(rounds) // 2]
     print(f"median of {len(rounds)} restore rounds:")
     print(f"raw load (COPY of the restored tables into an empty migrated database, one transaction): "
-          f"{raw.events:,} changes in {raw.seconds:.2f} s = {raw.events / raw.seconds:,.0f} events/s")
+          f"{raw.events:,} changes in {raw.seconds:.2f} s = {raw.rate:,.0f} events/s")
     print(f"restore (verify and load the archive, one transaction): {restored.events:,} changes in "
-          f"{restored.seconds:.2f} s = {restored.events / restored.seconds:,.0f} events/s "
+          f"{restored.seconds:.2f} s = {restored.rate:,.0f} events/s "
           f"({ratio((raw, restored)):.2f}x the raw load; no target)")
 
 

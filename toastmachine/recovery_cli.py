@@ -220,6 +220,7 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
 
     store = open_store(settings, args.source)
     trusted = pinned_key(args.public_key) or operator_key(settings)
+
     async def go() -> dict[str, Any]:
         lineage = args.lineage or await only_lineage(store)
         if lineage is None:
