@@ -178,3 +178,40 @@ async def test_a_command_beside_a_running_node_leaves_the_server_running(tmp_pat
         async with asyncio.timeout(60):
             assert await proc.wait() == 0
     await _assert_unreachable(server.dsn)  # the node was the last user: its stop stopped the server
+
+
+_START_AND_QUERY = """
+import asyncio, sys
+from pathlib import Path
+from infra.db import Database, start_embedded
+
+async def main() -> None:
+    server = await start_embedded(Path(sys.argv[1]))
+    try:
+        db = await Database.connect(server.dsn, max_size=1)
+        try:
+            assert await db.pool.fetchval("select 1") == 1
+        finally:
+            await db.close()
+    finally:
+        await server.stop()
+
+asyncio.run(main())
+"""
+
+
+async def test_processes_starting_new_servers_at_once_all_start(tmp_path: Path) -> None:
+    """Several processes creating embedded servers at the same moment (a node's processes, or the
+    suite's workers, on a new machine) each get a working server. Run as root, pgserver creates its
+    system user on first use: unserialised, two ``useradd`` runs once left a data directory owned by
+    a uid that no longer existed, and that server's initdb failed."""
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _START_AND_QUERY, str(tmp_path / f"node-{i}"), cwd=ROOT, env=clean_env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        for i in range(3)
+    ]
+    async with asyncio.timeout(120):
+        outputs = await asyncio.gather(*(proc.communicate() for proc in procs))
+    for proc, (out, _) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out.decode(errors="replace")[-2000:]

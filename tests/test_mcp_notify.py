@@ -45,12 +45,13 @@ from actors.mcp.notify import DEFAULT_MIN_INTERVAL, LegacySubscriptions, ScopedL
 from infra.config import Settings
 from infra.db.pool import Database
 from tests import procs
+from tests.broker import broker_restarted
 from tests.corpus_fixtures import Agent
 from tests.deployment import WAIT, Deployment, deployment
 from tests.sse import frames
 from tests.test_mcp_oauth import _INIT, _MCP_HEADERS, _free_port, _tokens, sdk_oauth_client
 from tests.test_mcp_process import _up_urls
-from tests.test_scale_out import broker_back, logged, rabbitmqctl, until
+from tests.test_scale_out import logged, until
 
 CORPUS = "toastmachine://corpus"
 GUIDE = "toastmachine://guide"
@@ -273,12 +274,8 @@ async def test_broker_restart_while_listening_keeps_notifying(
             seen = len(modern.inbox.uris), len(legacy.inbox.uris)
             # Stops the broker for everyone on this machine: keep the outage short and always
             # bring the broker back.
-            await rabbitmqctl("stop_app")
-            try:
+            async with broker_restarted(rabbitmq_url):
                 await until(lambda: logged(mcp, "bus.connection_lost"), "the MCP node saw the broker go", timeout=20)
-            finally:
-                await rabbitmqctl("start_app")
-                await broker_back()
             await until(lambda: logged(mcp, "bus.reconnected"), "the MCP node's bus reconnected", timeout=WAIT)
 
             sequence = await _write(http, web, agent, "after the restart")

@@ -33,6 +33,7 @@ import pytest
 
 from actors.publisher import application_name
 from tests import procs
+from tests.broker import broker_restarted
 from tests.corpus_fixtures import Agent
 from tests.deployment import COMMAND_TIMEOUT, WAIT, deployment
 from tests.sse import frames
@@ -61,36 +62,6 @@ async def until(predicate: Callable[[], Awaitable[bool] | bool], what: str, time
 
 def logged(proc: procs.NodeProcess, event: str) -> bool:
     return any(event in line for line in proc.output)
-
-
-async def rabbitmqctl(*args: str) -> None:
-    proc = await asyncio.create_subprocess_exec("rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT)
-    async with asyncio.timeout(120):
-        out, _ = await proc.communicate()
-    assert proc.returncode == 0, f"rabbitmqctl {' '.join(args)}: {out.decode(errors='replace')}"
-
-
-async def broker_back(amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/") -> None:
-    """After ``start_app``: wait until the broker is up and declares quorum queues again. Its quorum
-    system may still answer ``cluster_not_formed`` after ``await_startup`` (a test that set up its
-    queues just after a restart once failed so), and the exclusive lock must not be released
-    before every test could run."""
-    await rabbitmqctl("await_startup")
-    async with asyncio.timeout(60):
-        while True:
-            try:
-                connection = await aio_pika.connect(amqp_url)
-                try:
-                    channel = await connection.channel()
-                    queue = await channel.declare_queue(f"tm-test-probe-{uuid.uuid4().hex}", durable=True,
-                                                        arguments={"x-queue-type": "quorum"})
-                    await queue.delete(if_unused=False, if_empty=False)
-                    return
-                finally:
-                    await connection.close()
-            except (aio_pika.exceptions.AMQPError, OSError):
-                await asyncio.sleep(0.2)
 
 
 async def history(database_url: str) -> list[asyncpg.Record]:
@@ -415,13 +386,8 @@ async def test_broker_restart_during_load_loses_nothing_for_a_durable_queue(
                 load.failed.clear()
                 # Stops the broker for everyone on this machine: keep the outage short (until a
                 # write has failed against it) and always bring the broker back.
-                await rabbitmqctl("stop_app")
-                try:
-                    async with asyncio.timeout(OUTAGE):
-                        await load.failed.wait()
-                finally:
-                    await rabbitmqctl("start_app")
-                    await broker_back()
+                async with broker_restarted(rabbitmq_url), asyncio.timeout(OUTAGE):
+                    await load.failed.wait()
                 restarted_at = load.created
                 await until_created(load, restarted_at + 100, loader)
             assert load.created == load.issued >= MESSAGES

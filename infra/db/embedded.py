@@ -12,7 +12,10 @@ server on disk; the server stops when the last of them lets go. Start at most on
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,7 @@ def _start(pgdata: Path) -> Any:
     import pgserver
 
     pgdata.parent.mkdir(parents=True, exist_ok=True)
+    _ensure_system_user()
     try:
         return pgserver.get_server(pgdata, cleanup_mode="stop")
     except BaseException:
@@ -92,6 +96,35 @@ def _start(pgdata: Path) -> Any:
         # handed back, still broken, to every retry in this process. Forget it.
         getattr(pgserver.PostgresServer, "_instances", {}).pop(pgdata, None)
         raise
+
+
+#: Run as root, pgserver runs PostgreSQL as this system user, which it creates on first use.
+SYSTEM_USER = "pgserver"
+
+#: Machine-wide: every process of every node (and test worker) on this machine takes the same lock.
+_USER_LOCK = Path(tempfile.gettempdir()) / "toastmachine-pgserver-user.lock"
+
+
+def _ensure_system_user() -> None:
+    """As root, create pgserver's system user before pgserver looks for it, under a machine-wide lock.
+
+    pgserver checks for the user and runs ``useradd`` without a lock: processes starting embedded
+    servers at once on a new machine (a node's processes, the test workers) each ran ``useradd``, and
+    one had already chowned its data directory to a uid that the others' accounts then replaced, so
+    its ``initdb`` failed ("could not change permissions"). Once the user exists this is one lookup.
+    """
+    if os.geteuid() != 0:
+        return
+    import pwd
+
+    from pgserver.utils import ensure_user_exists
+
+    with contextlib.suppress(KeyError):
+        pwd.getpwnam(SYSTEM_USER)
+        return
+    with open(_USER_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        ensure_user_exists(SYSTEM_USER)
 
 
 def _stop(server: Any) -> list[int]:
