@@ -19,6 +19,8 @@ from infra.bus.rabbitmq import RabbitBus
 from protocol.errors import BusUnavailable
 
 TEST_PREFIX = "test."
+#: Seconds the ``bus`` fixture's first connect to RabbitMQ may take.
+FIXTURE_CONNECT_TIMEOUT = 30.0
 
 __all__ = ["bus", "bus_backend", "cleanup_rabbit", "names", "unique_name"]
 
@@ -58,7 +60,10 @@ async def bus(bus_backend: str | None, request: pytest.FixtureRequest) -> AsyncI
         finally:
             await memory.close()
         return
-    rabbit = RabbitBus(bus_backend, connection_name=f"test:{request.node.name}")
+    # More patience than a node's 10 s: on a loaded CI machine the broker once took longer than that
+    # to open a connection (both fixtures waiting then failed the run); this fixture is no test of
+    # how a node handles a broker that will not answer (test_bus_faults and test_cli are).
+    rabbit = RabbitBus(bus_backend, connection_name=f"test:{request.node.name}", connect_timeout=FIXTURE_CONNECT_TIMEOUT)
     await rabbit.connect()
     try:
         yield rabbit
