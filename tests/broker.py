@@ -3,19 +3,18 @@
 Only tests marked ``@pytest.mark.exclusive`` may do this: the broker goes away for every run on the
 machine, and the service lock (:mod:`tests.service_lock`) makes sure no other test is running.
 
-Two things make a restart in the middle of a suite slow and, once, made it fail the tests after it:
+A restart in the middle of a suite is the one thing that reaches every run's virtual host
+(:func:`tests.services.private_vhost`), and each of those keeps the quorum queues of the tests that
+ran in it (a node's work queues are durable and named per corpus): about 300 in all by the end of a run,
+each stopped by ``stop_app`` and recovered by ``start_app``. Seen here: ``stop_app`` hung for good on
+a broker holding 600 quorum queues with messages, and a broker still starting accepts TCP
+connections that then wait; and once a CI run's two fixtures timed out opening connections to their
+virtual hosts, a cause not reproduced since.
 
-- every run's virtual host (:func:`tests.services.private_vhost`) keeps the quorum queues of the
-  tests that ran in it (the nodes' work queues are durable and named per corpus), a few hundred by
-  the end of a run; ``stop_app`` stops and ``start_app`` recovers each of them;
-- the broker accepts connections before every virtual host has recovered, and a connection to a
-  virtual host still recovering waits (10 s and more on a loaded machine), so a test connecting
-  right after the restart timed out in its fixture.
-
-So :func:`broker_restarted` first deletes the queues left in the other test virtual hosts (no test is
-running in them while the exclusive test holds the lock, and no test uses a queue another test left),
-and after ``start_app`` waits until every virtual host takes a connection and declares a quorum
-queue before the exclusive test (and so the lock) lets go.
+So :func:`broker_restarted` first deletes the queues left in the other test virtual hosts (no test
+is running in them while the exclusive test holds the lock, and no test uses a queue another test
+left), and after ``start_app`` waits until every virtual host takes a connection and declares a
+quorum queue before the exclusive test (and so the lock) lets go.
 """
 
 from __future__ import annotations
