@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import aio_pika
 
+from tests import procs
+
 #: Virtual hosts made by :func:`tests.services.private_vhost`, of this run and of any other.
 TEST_VHOST_PREFIX = "tm-test-"
 #: How long the broker may take to come back with every virtual host.
@@ -38,11 +40,8 @@ async def rabbitmqctl(*args: str) -> str:
     proc = await asyncio.create_subprocess_exec("rabbitmqctl", *args, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
     try:
-        async with asyncio.timeout(120):
-            out, _ = await proc.communicate()
+        out, _ = await procs.communicate(proc, 120)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
         raise AssertionError(f"rabbitmqctl {' '.join(args)}: no answer within 120 s") from None
     text = out.decode(errors="replace")
     assert proc.returncode == 0, f"rabbitmqctl {' '.join(args)}: {text}"

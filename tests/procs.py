@@ -90,6 +90,19 @@ class NodeProcess:
             raise
 
 
+async def communicate(proc: asyncio.subprocess.Process, timeout: float) -> tuple[bytes, bytes]:
+    """``proc.communicate()`` within ``timeout`` seconds: its stdout and stderr (``b""`` for one not
+    piped). On a timeout the process is killed and reaped, then TimeoutError is raised."""
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return out or b"", err or b""
+
+
 async def start(*args: str, env: Mapping[str, str], cwd: Path | None = None,
                 program: tuple[str, ...] = (sys.executable, "-m", "toastmachine.cli")) -> NodeProcess:
     """Start ``toastmachine ARGS`` (stdout and stderr merged) and begin collecting its output."""

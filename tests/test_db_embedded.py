@@ -13,7 +13,7 @@ import structlog
 
 from infra.db import Database, EmbeddedPostgres, start_embedded
 from protocol.errors import DatabaseUnavailable
-from tests.procs import ROOT, clean_env
+from tests.procs import ROOT, clean_env, communicate
 
 
 async def _stop_all(servers: list[EmbeddedPostgres]) -> None:
@@ -211,7 +211,6 @@ async def test_processes_starting_new_servers_at_once_all_start(tmp_path: Path) 
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         for i in range(3)
     ]
-    async with asyncio.timeout(120):
-        outputs = await asyncio.gather(*(proc.communicate() for proc in procs))
+    outputs = await asyncio.gather(*(communicate(proc, 120) for proc in procs))
     for proc, (out, _) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out.decode(errors="replace")[-2000:]

@@ -104,13 +104,7 @@ async def run_node(*args: str, timeout: float = NODE_TIMEOUT) -> tuple[int, str,
     proc = await asyncio.create_subprocess_exec(
         "node", *args, cwd=NODE_DIR, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={k: v for k, v in os.environ.items() if not k.startswith("TOASTMACHINE_")})
-    try:
-        async with asyncio.timeout(timeout):
-            out, err = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
+    out, err = await procs.communicate(proc, timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 

@@ -102,13 +102,7 @@ async def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_pa
             "--header", f"Authorization: Bearer {credential}",
             cwd=str(tmp_path), env=procs.clean_env(), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT)
-        try:
-            async with asyncio.timeout(330):
-                output, _ = await proc.communicate()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise
+        output, _ = await procs.communicate(proc, 330)
         text = output.decode(errors="replace")
         assert proc.returncode == 0, f"schemathesis failed (exit {proc.returncode}):\n{text}"
         print(f"schemathesis passed in {time.monotonic() - started:.0f}s:\n{text[-1500:]}")
