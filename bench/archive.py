@@ -40,6 +40,9 @@ same warm cache for both sides), and measures, in events per second:
 
 Targets (issue #11): archive >= 0.5x raw, verify >= 0.5x raw, lag under 200 writes/s < 2 segments.
 
+The rate rounds run with the collector settings every node process takes once its actors have
+started (``infra.runtime.tune_gc``), since the archiver measured runs in this process.
+
 With the median round, the CPU time of each side is printed: this process's (the archiver's worker
 threads included) and the whole machine's (``/proc/stat``: PostgreSQL's backends and the kernel's
 writeback too). The archive's machine-wide CPU seconds over every CPU is the shortest any schedule
@@ -91,6 +94,7 @@ from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.bus import make_bus
 from infra.db import Database, apply_migrations, ensure_identity
+from infra.runtime import tune_gc
 from protocol.archive import Stream, checkpoint_key, decode_segment, manifest_key, public_key_key, segment_key
 from protocol.checkpoint import generate_signer_key, parse_verifier_key, verify_checkpoint
 from protocol.manifest import decode_manifest
@@ -427,6 +431,9 @@ async def rates(args: argparse.Namespace, name: str) -> None:
     """The archive and verify rates against the raw one, median of ``args.rounds`` rounds, each on
     its own copy of one seeded history ``name`` (see the module docstring)."""
     rounds: list[Round] = []
+    # As every node process does once its actors have started (toastmachine.node.run_node): the
+    # archiver measured here runs in this process, so it gets the same collector settings.
+    tune_gc()
     for n in range(args.warmup + args.rounds):
         r = await one_round(args.dsn, name)
         counted = n >= args.warmup
