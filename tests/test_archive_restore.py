@@ -211,7 +211,7 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
     """Load, archive with the real archiver, verify, restore: the same corpus under a fresh lineage.
 
     The loader's in-transaction ANALYZE (due every time its event count doubles from
-    ``ANALYZE_FROM``, 5,000 in production) is made due from the third event, and the restore writes
+    ``ANALYZE_FROM``, 4,000 in production: the first run) is made due from the third event, and the restore writes
     each segment as a run of its own (``RUN_EVENTS``, 4,000 in production), so this restore runs it
     several times between its segments and must still give the same corpus."""
     monkeypatch.setattr(load, "ANALYZE_FROM", 3)
@@ -358,10 +358,28 @@ def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> 
         {**good, "corpus_id": str(uuid.uuid4())},  # another corpus
         {**good, "data": {"message": {**message, "mentions": [7]}}},  # a mention that is not an agent
         [1, 2],  # not an object
+        {**good, "occurred_at": "yesterday"},  # the change's own time, read by the database
+        {k: v for k, v in good.items() if k != "occurred_at"},
     ]
     for envelope in broken:
         with pytest.raises(load.LoadRefused, match="change 7 "):
             loader.prepare([(7, envelope)])
+
+
+async def test_a_value_the_database_refuses_is_a_load_refusal_naming_the_changes(db: Database) -> None:
+    """prepare checks each event's shape, not every field's type: a message id that is no UUID
+    passes it, and the database's refusal reaches the caller as LoadRefused, not as asyncpg's error."""
+    corpus = str(uuid.uuid4())
+    when = "2026-12-02T10:00:00.123Z"
+    message = {"id": "not-a-uuid", "conversation_id": str(uuid.uuid4()),
+               "author": {"agent_id": str(uuid.uuid4()), "name": "a"}, "kinds": ["claim"], "content": "x",
+               "tags": [], "mentions": [], "created_at": when}
+    event = {"corpus_id": corpus, "sequence": 3, "type": "message.appended", "partition": 0, "occurred_at": when,
+             "data": {"message": message}}
+    async with db.pool.acquire() as conn, conn.transaction():
+        loader = load.HistoryLoader(conn, corpus, str(uuid.uuid4()))
+        with pytest.raises(load.LoadRefused, match="from 3 to 3 hold a value the database refuses"):
+            await loader.segment([(3, event)])
 
 
 def test_the_progress_lines_show_each_loads_first_and_last_step_and_one_per_interval(
@@ -389,4 +407,8 @@ def test_the_progress_lines_show_each_loads_first_and_last_step_and_one_per_inte
     follow(LoadProgress(10_000, 20_000, 10_000, 0.1, changes_at_start=9500))
     follow(LoadProgress(11_000, 20_000, 11_000, 0.2, changes_at_start=9500))
     follow(LoadProgress(20_000, 20_000, 20_000, 0.3, changes_at_start=9500))
-    assert [line.split(" of ")[0] for line in lines()] == ["toastmachine: mirror: 10,000", "toastmachine: mirror: 20,000"]
+    caught_up = lines()
+    assert [line.split(" of ")[0] for line in caught_up] == ["toastmachine: mirror: 10,000", "toastmachine: mirror: 20,000"]
+    # The rate is the round's own: 500 changes in 0.1 s, then 10,500 in 0.3 s (not the whole tree's).
+    assert caught_up[0].endswith(" 5,000 changes/s (committed once all is checked)"), caught_up[0]
+    assert " 35,000 changes/s " in caught_up[1], caught_up[1]

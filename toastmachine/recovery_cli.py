@@ -204,7 +204,8 @@ def progress_printer(command: str, *, min_changes: int = 0) -> Callable[[LoadPro
             return
         shown[0] = at.seconds
         share = f" ({100 * at.changes_done / at.changes_archived:.0f}%)" if at.changes_archived else ""
-        rate = at.changes_done / at.seconds if at.seconds > 0 else 0.0
+        # This load's own changes: a mirror's round starts from the tree it already holds.
+        rate = (at.changes_done - at.changes_at_start) / at.seconds if at.seconds > 0 else 0.0
         print(f"toastmachine: {command}: {at.changes_done:,} of {at.changes_archived:,} archived changes "
               f"loaded{share}, through sequence {at.through_sequence:,}, {rate:,.0f} changes/s "
               "(committed once all is checked)", file=sys.stderr, flush=True)

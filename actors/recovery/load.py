@@ -12,9 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+import asyncpg
+import orjson
 
 from protocol import representations as rep
 from protocol.corpus import canonical_json
@@ -41,7 +45,7 @@ _LOADED_TABLES = ("agents", "conversations", "messages", "relationships", "retra
 #: statistics and each statement grew slower with the rows before it: measured on a
 #: 120,000-event restore, 3,300 events/s at the start and 1,400 at the end (59 s in all); with
 #: these analyzes (about 2 s of them) a steady 2,900 (41 s).
-ANALYZE_FROM = 5000
+ANALYZE_FROM = 4000
 
 
 #: The times events carry (``protocol.representations.format_time``: milliseconds, ``Z``), and the
@@ -105,9 +109,14 @@ class HistoryLoader:
         self.last_sequence = 0
         self._analyze_at = ANALYZE_FROM
 
-    async def segment(self, events: list[tuple[int, dict[str, Any]]]) -> None:
-        """Write one run of events (ascending sequences after every one written before)."""
-        await self.apply(self.prepare(events))
+    async def segment(self, events: list[tuple[int, dict[str, Any]]], *, with_authors: bool = False) -> None:
+        """Write one run of events (ascending sequences after every one written before); with
+        ``with_authors``, first the agent rows of their authors (a mirror's, :func:`ensure_authors`).
+        Every event is checked before anything is written."""
+        batch = self.prepare(events)
+        if with_authors:
+            await ensure_authors(self.conn, events)
+        await self.apply(batch)
 
     def prepare(self, events: list[tuple[int, dict[str, Any]]]) -> LoadBatch:
         """The rows of ``events``, without writing them: pure, so a caller may run it in a thread
@@ -127,6 +136,7 @@ class HistoryLoader:
 
     def _rows(self, batch: LoadBatch, sequence: int, envelope: dict[str, Any]) -> None:
         data, kind = envelope["data"], envelope["type"]
+        _time(envelope["occurred_at"])  # written by the database from the event: its shape checked here
         message_id = relationship_id = retraction_id = None
         if kind == rep.CONVERSATION_CREATED:
             c = data["conversation"]
@@ -161,10 +171,20 @@ class HistoryLoader:
         batch.last_sequence = sequence
 
     async def apply(self, batch: LoadBatch) -> None:
-        """Write a prepared run (after every run written before it, in order)."""
+        """Write a prepared run (after every run written before it, in order). LoadRefused when the
+        database refuses one of its values (an id that is no UUID, say): :meth:`prepare` checks the
+        shape of every event, not the type of every field."""
+        try:
+            await self._apply(batch)
+        except (asyncpg.DataError, ValueError, TypeError) as e:  # the server's, or asyncpg's encoding of a row
+            first = batch.changes[0][0] if batch.changes[0] else None
+            raise LoadRefused(f"the archived changes from {first} to {batch.last_sequence} hold a value the "
+                              f"database refuses ({type(e).__name__})") from None
+
+    async def _apply(self, batch: LoadBatch) -> None:
         conn = self.conn
         if batch.conversations:
-            # COPY, like the seeder: one round trip per table and segment (foreign keys are checked
+            # COPY, like the seeder: one round trip per table and run (foreign keys are checked
             # at the end of the statement, so a reply may follow its parent within the same COPY).
             await conn.copy_records_to_table("conversations", records=batch.conversations, columns=(
                 "id", "subject", "author_id", "root_message_id", "partition", "created_at"))
@@ -229,6 +249,18 @@ class HistoryLoader:
             " order by e.sequence", *columns)
 
 
+def decode_events(bodies: Iterable[tuple[int, bytes]]) -> list[tuple[int, Any]]:
+    """``(sequence, event)`` of each archived ``(sequence, body)``; LoadRefused naming the first
+    body that is not JSON."""
+    events = []
+    for sequence, body in bodies:
+        try:
+            events.append((sequence, orjson.loads(body)))
+        except orjson.JSONDecodeError:
+            raise LoadRefused(f"archived change {sequence} is not JSON") from None
+    return events
+
+
 async def ensure_authors(conn: Any, events: list[tuple[int, dict[str, Any]]]) -> None:
     """Insert an agent row for each author of ``events`` not yet known (a mirror's register).
 
@@ -236,11 +268,14 @@ async def ensure_authors(conn: Any, events: list[tuple[int, dict[str, Any]]]) ->
     credential authenticates as anyone on a mirror: it is read-only by construction.
     """
     authors: dict[str, tuple[str, datetime]] = {}
-    for _, envelope in events:
-        for item in envelope["data"].values():
-            author = item.get("author") if isinstance(item, dict) else None
-            if author is not None and author["agent_id"] not in authors:
-                authors[author["agent_id"]] = (author["name"], _time(envelope["occurred_at"]))
+    for sequence, envelope in events:
+        try:
+            for item in envelope["data"].values():
+                author = item.get("author") if isinstance(item, dict) else None
+                if author is not None and author["agent_id"] not in authors:
+                    authors[author["agent_id"]] = (str(author["name"]), _time(envelope["occurred_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise LoadRefused(f"archived change {sequence} is not a well-formed event ({type(e).__name__})") from None
     if authors:
         await conn.executemany(
             "insert into agents (agent_id, name, credential_hash, created_at) values ($1, $2, $3, $4) "

@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 
 from actors.reads.archive import MANIFEST_PATH
-from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, ensure_authors
+from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, decode_events
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
 from infra.config import redact_url
 from infra.db import Database, connection
@@ -353,10 +353,9 @@ class Mirror:
                 # the node's bytes (segments of format 2 hold those verbatim, format 1 canonical).
                 if sequence not in stored or event_body(orjson.loads(stored[sequence])) != event_body(orjson.loads(body)):
                     raise MirrorFork(f"change {sequence} as archived differs from the one the node served live")
-        new = [(s, orjson.loads(body)) for s, body in events if s > applied_through]
+        new = decode_events((s, body) for s, body in events if s > applied_through)
         if new:
-            await ensure_authors(conn, new)
-            await loader.segment(new)
+            await loader.segment(new, with_authors=True)
 
     # --- tail round ------------------------------------------------------------------------------
 
@@ -383,7 +382,10 @@ class Mirror:
                     body = await resp.read()
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise MirrorError(f"the node is unreachable: {type(e).__name__}") from None
-            events = [(int(e["sequence"]), e) for e in map(orjson.loads, body.splitlines())]
+            try:
+                events = [(int(e["sequence"]), e) for e in map(orjson.loads, body.splitlines())]
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise MirrorError("the node's changes.jsonl holds a line that is not a change") from None
             if events:
                 witness = await self.db.pool.fetchrow("select corpus_id from corpus_witness")
                 async with connection(self.db) as conn, conn.transaction():
@@ -392,8 +394,8 @@ class Mirror:
                     assert fresh is not None
                     events = [(s, e) for s, e in events if s > fresh.applied_through]
                     if events:
-                        await ensure_authors(conn, events)
-                        await HistoryLoader(conn, str(witness["corpus_id"]), str(self.lineage)).segment(events)
+                        loader = HistoryLoader(conn, str(witness["corpus_id"]), str(self.lineage))
+                        await loader.segment(events, with_authors=True)
                         fresh.applied_through = events[-1][0]
                         await self._save_state(conn, fresh)
                         progressed = True

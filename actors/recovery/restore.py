@@ -11,7 +11,7 @@ writing": nothing is visible before the whole archive has been checked):
    names, descriptions, credential hashes, onboarding state: every agent keeps its credential) and
    the operation records (a client retrying an old write with its old token gets the stored answer);
    agents first, in a first pass, then operation records in a second (they reference agents);
-3. the public history, segment by segment: conversations, messages, relationships, retractions and
+3. the public history, in runs of whole segments: conversations, messages, relationships, retractions and
    the active-relationship index rebuilt from the events, then the change rows with their
    **original sequence numbers**, each event re-stamped with the new lineage (the only field that
    differs); the read models follow from the change rows' own trigger;
@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
-import orjson
 
-from actors.recovery.load import HistoryLoader, LoadBatch, LoadProgress, LoadRefused
+from actors.recovery.load import HistoryLoader, LoadBatch, LoadProgress, LoadRefused, decode_events
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk
 from actors.writer.store import SEQUENCE_LOCK
 from infra.db import Target, connection
@@ -130,14 +129,7 @@ RUN_EVENTS = 4000
 
 
 def _rows_of(loader: HistoryLoader, segments: list[DecodedSegment]) -> LoadBatch:
-    events = []
-    for segment in segments:
-        for e in segment.events:
-            try:
-                events.append((e.sequence, orjson.loads(e.body)))
-            except orjson.JSONDecodeError:
-                raise LoadRefused(f"archived change {e.sequence} is not JSON") from None
-    return loader.prepare(events)
+    return loader.prepare(decode_events((e.sequence, e.body) for segment in segments for e in segment.events))
 
 
 async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
