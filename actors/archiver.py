@@ -466,6 +466,7 @@ class Archiver(Actor):
         self._wake = asyncio.Event()
         self._consumer: Consumer | None = None
         self._probed = False
+        self._key_published = False  # public-key.txt written and synced (and the parent lineage read)
         #: Set once this process's sweep of leftover staging files is done (it runs beside the
         #: rounds: on a large directory store, walking every folder takes a while).
         self.staging_swept = asyncio.Event()
@@ -582,12 +583,16 @@ class Archiver(Actor):
                     if self._sweeping is None:
                         self._sweeping = asyncio.ensure_future(self._sweep_staging())
                     self._probed = True
+                if not self._key_published:
+                    # Its own step: a store that fails here (after a good probe) gets it retried
+                    # after the back-off, without another probe object each time.
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])
                     if self.parent_lineage is None:
                         # A restored history names its parent in the manifest (migration 0008's row).
                         self.parent_lineage = await session.conn.fetchval(
                             "select parent_lineage from corpus_provenance")
+                    self._key_published = True
                 busy = await guarded(session, self._round(session, Stream.PUBLIC))
                 # Behind on the public stream, the private one gets a round once a PRIVATE_INTERVAL
                 # (each costs a few statements even with nothing to do); caught up, every time.
