@@ -33,11 +33,12 @@ from actors.web.app import make_app
 from actors.web.archive import ARCHIVE_STORE
 from actors.writer import CorpusWriter
 from infra.archive_keys import archive_origin
-from infra.archive_store import ArchiveStore
+from infra.archive_store import ArchiveStore, ArchiveStoreError
 from infra.bus import make_bus
 from infra.db import Database, apply_migrations, read_identity
 from infra.ratelimit import local_bucket, write_budget
 from protocol import corpus
+from protocol.archive import segment_key
 from protocol.checkpoint import generate_signer_key
 from protocol.errors import ApiError, ReadOnlyMirror
 from tests.archive_fixtures import archive_database, archiver_caught_up, archiving, raw_store
@@ -184,6 +185,41 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
         stranger = generate_signer_key(signer.name).verifier()
         with pytest.raises(MirrorError):
             await Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=stranger).archive_round()
+
+
+async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes(
+        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    """A mirror reading a node's archive routes gets each segment whole, however many socket reads
+    its body takes (a reader that took one read's worth refused a real node's 400 KB segment as
+    truncated), and reaches the node's root."""
+    amqp_url, server = stack_backends
+    store = ArchiveStore.local(tmp_path / "archive")
+    async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
+            _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
+        signer = generate_signer_key(archive_origin(node.identity.corpus_id))
+        alice = await node.register("alice-large")
+        # About 64 KB an event: a 4-event segment is four times the client's 64 KiB read buffer.
+        first = await node.conversation(alice, "large", content="a" * 65_000)
+        for n in range(7):
+            await node.message(alice, first["conversation"]["id"], content=f"{n}" * 65_000)
+        async with archiving(node, store, signer):
+            await archiver_caught_up(node)
+        node.client.app[ARCHIVE_STORE]["store"] = store
+        largest = await node.db.pool.fetchrow("select segment_index, first_sequence, last_sequence, size "
+                                              "from archive_segments where stream = 0 order by size desc limit 1")
+        assert largest["size"] > 4 * 65_000
+        base = str(node.client.make_url("")).rstrip("/")
+        source = NodeArchiveSource(session, base)
+        mirror = Mirror(source, await source.lineage(), mirror_db, trusted=signer.verifier(), session=session)
+        assert await mirror.archive_round()
+        size, root = await _node_root(node)
+        assert mirror.state is not None and (mirror.state.tree.size, mirror.state.tree.root()) == (size, root)
+        # The same segment under a smaller bound is refused by name, its body not held.
+        key = segment_key(node.identity.lineage, largest["segment_index"], largest["first_sequence"],
+                          largest["last_sequence"])
+        assert len(await source.get(key, max_bytes=largest["size"])) == largest["size"]
+        with pytest.raises(ArchiveStoreError, match="is larger than"):
+            await source.get(key, max_bytes=largest["size"] - 1)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import orjson
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
+from infra.http_client import read_capped
 from infra.logs import get_logger
 
 log = get_logger("toastmachine.mcp.client_documents")
@@ -209,11 +210,7 @@ class DocumentFetcher:
                 raise DocumentRefused("client_id document answered with a redirect")
             if response.status != 200:
                 raise DocumentRefused("client_id document answered with an error status")
-            if response.content_length is not None and response.content_length > MAX_DOCUMENT_BYTES:
+            body = await read_capped(response, MAX_DOCUMENT_BYTES)
+            if body is None:
                 raise DocumentRefused("client_id document is larger than 5 KiB")
-            body = bytearray()
-            async for chunk in response.content.iter_chunked(4096):
-                body += chunk
-                if len(body) > MAX_DOCUMENT_BYTES:
-                    raise DocumentRefused("client_id document is larger than 5 KiB")
-            return bytes(body), response.headers.get("Cache-Control")
+            return body, response.headers.get("Cache-Control")

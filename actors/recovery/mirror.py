@@ -42,6 +42,7 @@ from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, decode_
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
 from infra.config import redact_url
 from infra.db import Database, connection
+from infra.http_client import read_capped
 from infra.logs import get_logger
 from infra.runtime import Actor
 from protocol.archive import (
@@ -126,10 +127,10 @@ class NodeArchiveSource:
                     raise ObjectNotFound(f"{self.description}: {path} not found")
                 if resp.status != 200:
                     raise ArchiveStoreError(f"{self.description}: GET {path} answered {resp.status}")
-                data = await resp.content.read(max_bytes + 1)
+                data = await read_capped(resp, max_bytes)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise ArchiveStoreError(f"{self.description}: GET {path} failed: {type(e).__name__}") from None
-        if len(data) > max_bytes:
+        if data is None:
             raise ArchiveStoreError(f"{self.description}: {path} is larger than {max_bytes} bytes")
         return data
 
