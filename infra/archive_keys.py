@@ -76,5 +76,6 @@ def _read(path: Path, name: str) -> SignerKey:
         raise ConfigError(f"the archive signing key {path} is not a signer key: {e}") from None
     if key.name != name:
         raise ConfigError(f"the archive signing key {path} is named {key.name!r}, this archive's origin is "
-                          f"{name!r}: it belongs to another corpus")
+                          f"{name!r}: it belongs to another corpus (give each corpus its own TOASTMACHINE_DATA_DIR, "
+                          "or set TOASTMACHINE_ARCHIVE_SIGNING_KEY to this corpus's key)")
     return key

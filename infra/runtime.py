@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 from infra.bus.base import Bus, Consumer, Delivery, QueueSpec
 from infra.logs import get_logger
+from protocol.errors import ConfigError
 
 log = get_logger("toastmachine.runtime")
 
@@ -38,6 +39,7 @@ class ActorState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     BACKOFF = "backoff"  # crashed; waiting to restart
+    FAILED = "failed"  # its configuration is wrong: not restarted (see Supervisor)
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -210,6 +212,11 @@ class Backoff:
 class Supervisor:
     """Starts actors, restarts any that crash (with backoff, logging why), stops them all in order.
 
+    An actor whose building or start raises :class:`~protocol.errors.ConfigError` is not restarted:
+    a restart meets the same configuration. It is left ``failed`` and :meth:`start` raises that
+    error at once, so the process can say what is wrong and exit instead of retrying until its
+    start deadline.
+
     Args:
         factories: actor name → zero-argument callable building a fresh actor instance.
         backoff: restart delays.
@@ -225,14 +232,34 @@ class Supervisor:
         self._stopping: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.factories}
         self._started: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.factories}
         self._grace = 10.0
+        #: The first configuration error an actor met (see the class docstring); set with it.
+        self.misconfigured: ConfigError | None = None
+        self._misconfigured = asyncio.Event()
 
     async def start(self, wait: float | None = 30.0) -> None:
-        """Start one supervision task per actor; wait up to ``wait`` s for each first successful start."""
+        """Start one supervision task per actor; wait up to ``wait`` s for each first successful start.
+
+        Raises the ConfigError an actor met while building or starting, as soon as it meets it.
+        """
         for name in self.factories:
             self._tasks[name] = asyncio.create_task(self._supervise(name), name=f"supervise:{name}")
         if wait:
-            async with asyncio.timeout(wait):
-                await asyncio.gather(*(e.wait() for e in self._started.values()))
+            async def every_start() -> None:
+                for event in self._started.values():
+                    await event.wait()
+
+            # Tasks, not a gather: a cancelled task (a node stopped while starting) leaves nothing
+            # behind to report, where a cancelled gather logs its exception as never retrieved.
+            started = asyncio.ensure_future(every_start())
+            misconfigured = asyncio.ensure_future(self._misconfigured.wait())
+            try:
+                async with asyncio.timeout(wait):
+                    await asyncio.wait({started, misconfigured}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
+                misconfigured.cancel()
+            if self.misconfigured is not None:
+                raise self.misconfigured
 
     @property
     def ready(self) -> bool:
@@ -243,10 +270,14 @@ class Supervisor:
         stopping = self._stopping[name]
         delay = self.backoff.initial
         while not stopping.is_set():
-            actor = self.factories[name]()
-            self.actors[name] = actor
             health.state = ActorState.STARTING
             started_at = time.monotonic()
+            try:
+                actor = self.factories[name]()
+            except ConfigError as e:
+                self._misconfigure(name, e)
+                return
+            self.actors[name] = actor
             try:
                 await actor.start()
                 health.state, health.since = ActorState.RUNNING, time.time()
@@ -264,6 +295,11 @@ class Supervisor:
                 error: BaseException = crashed.result()
             except asyncio.CancelledError:
                 raise
+            except ConfigError as e:
+                with contextlib.suppress(Exception):
+                    await actor.stop(grace=0)
+                self._misconfigure(name, e)
+                return
             except Exception as e:  # noqa: BLE001 - a failed start is a crash like any other
                 error = e
             health.restarts += 1
@@ -283,6 +319,17 @@ class Supervisor:
         await self.actors[name].stop(self._grace)
         health.state = ActorState.STOPPED
         log.info("actor.stopped", actor=name)
+
+    def _misconfigure(self, name: str, error: ConfigError) -> None:
+        """Leave ``name`` failed for good (its configuration is wrong) and let :meth:`start` raise."""
+        health = self.health[name]
+        health.last_error = f"{type(error).__name__}: {error}"
+        health.state, health.since = ActorState.FAILED, time.time()
+        log.error("actor.misconfigured", actor=name, error=str(error),
+                  detail="not restarted: a restart meets the same configuration")
+        if self.misconfigured is None:
+            self.misconfigured = error
+        self._misconfigured.set()
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop every actor in phases, one at a time in reverse start order. Idempotent.

@@ -8,6 +8,7 @@ nothing to do; the ``Server`` header names the product, not the framework and it
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -65,6 +66,27 @@ async def test_second_node_on_a_busy_port_exits_at_once_without_a_traceback(tmp_
         assert [line for line in second.output if line.strip()] == [expected], text
     finally:
         assert await first.stop() == 0
+
+
+async def test_a_signing_key_of_another_corpus_stops_up_at_once_with_exit_2(tmp_path: Path) -> None:
+    """A data directory that holds another corpus's archive signing key (a scale-out pointed at the
+    ``./data`` of an earlier ``up``): a configuration error, said once and not retried, exit 2."""
+    from infra.archive_keys import KEY_FILE
+    from protocol.checkpoint import generate_signer_key
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / KEY_FILE).write_text(generate_signer_key(f"toastmachine.archive/{uuid.uuid4()}").text() + "\n")
+    node = await procs.start("up", env=_env(data))
+    code = await node.wait(timeout=90)
+    text = "\n".join(node.output)
+    assert code == 2, text
+    last = [line for line in node.output if line.strip()][-1]
+    assert last.startswith(f"toastmachine: the archive signing key {data / KEY_FILE} is named "), text
+    assert "belongs to another corpus" in last and "TOASTMACHINE_DATA_DIR" in last, text
+    assert "actor.misconfigured" in text and "actor.crashed" not in text, text
+    assert not procs.unexpected_tracebacks(node.output), text
+    assert "PRIVATE+KEY" not in text  # the key itself is never printed
 
 
 async def test_json_log_mode_writes_only_json_lines(tmp_path: Path) -> None:

@@ -77,8 +77,8 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
     """The block as written, from the repository root, in a shell whose PATH knows nothing of the venv.
 
     Three changes, none to what the block relies on: the venv already exists (the first line would
-    create it again and install from the network), the services are this test's own (a vhost and a
-    database of its own, not the shared defaults), and honcho gets a free port.
+    create it again and install from the network), the services are this test's own (a vhost, a
+    database and a data directory of its own, not the shared defaults), and honcho gets a free port.
     """
     match = SCALE_OUT_RE.search(README.read_text())
     assert match, "the scale-out block is marked <!-- readme-scale-out -->"
@@ -90,6 +90,7 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
         line = re.sub(r"^export TOASTMACHINE_AMQP_URL=\S+", f"export TOASTMACHINE_AMQP_URL={rabbitmq_url}", line)
         line = re.sub(r"^export TOASTMACHINE_DATABASE_URL=\S+",
                       f"export TOASTMACHINE_DATABASE_URL={database_url}", line)
+        line = re.sub(r"^export TOASTMACHINE_DATA_DIR=\S+", f"export TOASTMACHINE_DATA_DIR={tmp_path}", line)
         line = re.sub(r"^honcho start\b", f"exec honcho start -p {port}", line)
         script.append(line)
     assert any(line.startswith("exec honcho start") for line in script), script

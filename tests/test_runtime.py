@@ -9,6 +9,7 @@ import pytest
 
 from infra.bus.base import Bus, Delivery, QueueKind, QueueSpec
 from infra.runtime import Actor, ActorState, Backoff, ConsumerActor, Supervisor
+from protocol.errors import ConfigError
 from protocol.messages import Probe
 
 
@@ -72,6 +73,40 @@ async def test_a_failing_start_is_retried_and_reported() -> None:
     assert sup.health["failing"].last_error == "ConnectionError: database gone"
     assert not sup.ready
     await sup.stop(grace=0.1)
+
+
+class MisconfiguredSetup(Actor):
+    name = "misconfigured"
+    starts = 0
+
+    async def setup(self) -> None:
+        type(self).starts += 1
+        raise ConfigError("TOASTMACHINE_EXAMPLE is wrong")
+
+
+@pytest.mark.parametrize("where", ["building", "starting"])
+async def test_a_configuration_error_is_not_retried_and_start_raises_it_at_once(where: str) -> None:
+    def build() -> Actor:
+        if where == "building":
+            raise ConfigError("TOASTMACHINE_EXAMPLE is wrong")
+        return MisconfiguredSetup()
+
+    MisconfiguredSetup.starts = 0
+    healthy = asyncio.Event()
+    sup = Supervisor({"fine": lambda: Flaky(0, healthy), "misconfigured": build},
+                     Backoff(initial=0.01, maximum=0.02))
+    # Far sooner than the start deadline: nothing waits for a restart that cannot help.
+    async with asyncio.timeout(10):
+        with pytest.raises(ConfigError, match="TOASTMACHINE_EXAMPLE is wrong"):
+            await sup.start(wait=3600)
+    health = sup.health["misconfigured"]
+    assert health.state is ActorState.FAILED
+    assert health.last_error == "ConfigError: TOASTMACHINE_EXAMPLE is wrong"
+    assert health.restarts == 0 and not sup.ready
+    assert MisconfiguredSetup.starts == (1 if where == "starting" else 0)
+    await sup.stop(grace=1)
+    assert sup.health["misconfigured"].state is ActorState.FAILED
+    assert MisconfiguredSetup.starts == (1 if where == "starting" else 0)
 
 
 async def test_stop_is_idempotent_and_concurrent_safe() -> None:

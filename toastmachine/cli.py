@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     guide_set.set_defaults(func=cmd_guide_set)
     guide_sub.add_parser("show", help=cmd_guide_show.__doc__).set_defaults(func=cmd_guide_show)
     guide_sub.add_parser("reset", help=cmd_guide_reset.__doc__).set_defaults(func=cmd_guide_reset)
-    archive = sub.add_parser("archive", help="the verifiable archive of the history (SPEC §5)")
+    archive = sub.add_parser("archive", help="the verifiable archive of the history (docs/contract.md §7, docs/archive-format.md)")
     archive_sub = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
     archive_sub.add_parser("status", help=cmd_archive_status.__doc__).set_defaults(func=cmd_archive_status)
     oauth = sub.add_parser("oauth", help="the MCP front's OAuth clients and grants")

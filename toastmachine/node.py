@@ -208,6 +208,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
         stop.set()
 
     start_failed = False
+    misconfigured: ConfigError | None = None
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig.name)
     try:
@@ -225,6 +226,7 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
                 not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
                 log.error("node.start_failed", actors=not_started)
                 start_failed = True
+                misconfigured = supervisor.misconfigured
                 stop.set()
             start.cancel()
             stop_wait.cancel()
@@ -237,6 +239,8 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
                           detail="unfinished work was not acknowledged and will be redelivered")
                 return 1
         log.info("node.stopped")
+        if misconfigured is not None:
+            raise misconfigured  # the command line says what is wrong, and exits 2 as for any configuration error
         # A node that never came up must not look like one that ran and stopped cleanly.
         return 1 if start_failed else 0
     finally:
