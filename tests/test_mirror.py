@@ -27,6 +27,7 @@ import pytest
 
 from actors.commands import submit_write
 from actors.reads import archive as archive_reads
+from actors.recovery import mirror as mirror_module
 from actors.recovery.mirror import Mirror, MirrorError, NodeArchiveSource
 from actors.recovery.walk import StoreSource
 from actors.web.app import make_app
@@ -188,10 +189,11 @@ async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
 
 
 async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes(
-        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+        stack_backends: tuple[str | None, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mirror reading a node's archive routes gets each segment whole, however many socket reads
     its body takes (a reader that took one read's worth refused a real node's 400 KB segment as
-    truncated), and reaches the node's root."""
+    truncated), and reaches the node's root; a tail page over its byte bound is asked again with
+    fewer changes, and one change over it is refused by name."""
     amqp_url, server = stack_backends
     store = ArchiveStore.local(tmp_path / "archive")
     async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
@@ -200,8 +202,9 @@ async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes
         alice = await node.register("alice-large")
         # About 64 KB an event: a 4-event segment is four times the client's 64 KiB read buffer.
         first = await node.conversation(alice, "large", content="a" * 65_000)
+        cid = first["conversation"]["id"]
         for n in range(7):
-            await node.message(alice, first["conversation"]["id"], content=f"{n}" * 65_000)
+            await node.message(alice, cid, content=f"{n}" * 65_000)
         async with archiving(node, store, signer):
             await archiver_caught_up(node)
         node.client.app[ARCHIVE_STORE]["store"] = store
@@ -210,10 +213,25 @@ async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes
         assert largest["size"] > 4 * 65_000
         base = str(node.client.make_url("")).rstrip("/")
         source = NodeArchiveSource(session, base)
-        mirror = Mirror(source, await source.lineage(), mirror_db, trusted=signer.verifier(), session=session)
+        mirror = Mirror(source, await source.lineage(), mirror_db, trusted=signer.verifier(), node_url=base,
+                        session=session)
         assert await mirror.archive_round()
         size, root = await _node_root(node)
         assert mirror.state is not None and (mirror.state.tree.size, mirror.state.tree.root()) == (size, root)
+        # The unarchived tail, five changes of about 65 KB: pages of at most three fit the bound.
+        for n in range(5):
+            last = await node.message(alice, cid, content=f"tail {n} " + "t" * 65_000)
+        monkeypatch.setattr(mirror_module, "TAIL_PAGE_BYTES", 3 * 70_000)
+        while await mirror.tail_round():
+            pass
+        assert mirror.state.applied_through == last["message"]["sequence"]
+        assert await mirror_db.pool.fetchval("select count(*) from changes") == \
+            await node.db.pool.fetchval("select count(*) from changes")
+        monkeypatch.setattr(mirror_module, "TAIL_PAGE_BYTES", 1000)
+        await node.message(alice, cid, content="t" * 65_000)
+        with pytest.raises(MirrorError, match="for one change"):
+            while await mirror.tail_round():
+                pass
         # The same segment under a smaller bound is refused by name, its body not held.
         key = segment_key(node.identity.lineage, largest["segment_index"], largest["first_sequence"],
                           largest["last_sequence"])

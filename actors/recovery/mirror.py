@@ -76,6 +76,9 @@ _ORIGIN_PREFIX = "toastmachine.archive/"
 #: Changes fetched per tail request, and pages per tail round (then the archive gets a turn).
 TAIL_PAGE = 1000
 TAIL_PAGES_PER_ROUND = 10
+#: Bytes a tail page may hold. A larger one is not read on: the page is asked again with half the
+#: changes (down to one, which is always under this), and the size grows back page by page.
+TAIL_PAGE_BYTES = 64 << 20
 #: Seconds an HTTP request to the node may take.
 HTTP_TIMEOUT = 30.0
 
@@ -227,6 +230,7 @@ class Mirror:
         self.session = session
         self.progress = progress
         self.state: MirrorState | None = None
+        self._tail_limit = TAIL_PAGE  # changes asked per tail page (halved after a page too large)
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -371,7 +375,8 @@ class Mirror:
             if state is None:
                 return progressed  # nothing verified yet: the archive goes first, it names the corpus
             url = f"{self.node_url}/corpus/changes.jsonl"
-            params = {"after": str(state.applied_through), "limit": str(TAIL_PAGE), "lineage": str(self.lineage)}
+            params = {"after": str(state.applied_through), "limit": str(self._tail_limit),
+                      "lineage": str(self.lineage)}
             try:
                 async with self.session.get(url, params=params,
                                             timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT)) as resp:
@@ -380,9 +385,16 @@ class Mirror:
                     if resp.status != 200:
                         raise MirrorError(f"the node answered {resp.status} to changes.jsonl")
                     more = resp.headers.get("X-Corpus-Has-More") == "true"
-                    body = await resp.read()
+                    body = await read_capped(resp, TAIL_PAGE_BYTES)
             except (aiohttp.ClientError, TimeoutError) as e:
                 raise MirrorError(f"the node is unreachable: {type(e).__name__}") from None
+            if body is None:
+                if self._tail_limit == 1:
+                    raise MirrorError(f"the node's changes.jsonl answered more than {TAIL_PAGE_BYTES} bytes "
+                                      "for one change")
+                self._tail_limit = max(1, self._tail_limit // 2)
+                continue
+            self._tail_limit = min(TAIL_PAGE, self._tail_limit * 2)
             try:
                 events = [(int(e["sequence"]), e) for e in map(orjson.loads, body.splitlines())]
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
