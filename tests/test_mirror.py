@@ -80,13 +80,31 @@ async def _node_root(stack: Stack) -> tuple[int, bytes]:
     return row["tree_size"], bytes(row["root"])
 
 
-async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
-        stack_backends: tuple[str | None, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@dataclass
+class _Pair:
+    """A node (with an archive directory and a signer for it) and an empty database for its mirror."""
+
+    node: Stack
+    store: ArchiveStore
+    signer: Any
+    mirror_db: Database
+    session: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def _node_and_mirror(stack_backends: tuple[str | None, str], tmp_path: Path) -> AsyncIterator[_Pair]:
     amqp_url, server = stack_backends
-    store = ArchiveStore.local(tmp_path / "archive")
     async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
             _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
-        signer = generate_signer_key(archive_origin(node.identity.corpus_id))
+        yield _Pair(node, ArchiveStore.local(tmp_path / "archive"),
+                    generate_signer_key(archive_origin(node.identity.corpus_id)), mirror_db, session)
+
+
+async def test_the_mirror_reaches_the_nodes_root_and_keeps_following(
+        stack_backends: tuple[str | None, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = stack_backends[1]
+    async with _node_and_mirror(stack_backends, tmp_path) as pair:
+        node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
         alice = await node.register("alice-mirrored")
         bob = await node.register("bob-mirrored")
         first = await node.conversation(alice, "mirrored", content="hello @bob-mirrored #mirror")
@@ -194,11 +212,8 @@ async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes
     its body takes (a reader that took one read's worth refused a real node's 400 KB segment as
     truncated), and reaches the node's root; a tail page over its byte bound is asked again with
     fewer changes, and one change over it is refused by name."""
-    amqp_url, server = stack_backends
-    store = ArchiveStore.local(tmp_path / "archive")
-    async with fresh_database(server) as node_dsn, running_stack(node_dsn, amqp_url, STACK_ENV) as node, \
-            _mirror_db(server) as mirror_db, aiohttp.ClientSession() as session:
-        signer = generate_signer_key(archive_origin(node.identity.corpus_id))
+    async with _node_and_mirror(stack_backends, tmp_path) as pair:
+        node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
         alice = await node.register("alice-large")
         # About 64 KB an event: a 4-event segment is four times the client's 64 KiB read buffer.
         first = await node.conversation(alice, "large", content="a" * 65_000)
