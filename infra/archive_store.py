@@ -59,6 +59,10 @@ class ObjectNotFound(ArchiveStoreError):
     """No object under that key."""
 
 
+class StoreMissing(ArchiveStoreError):
+    """The store's bucket does not exist: there is no archive there (and nothing can be written)."""
+
+
 class ObjectTooLarge(ArchiveStoreError):
     """The object is larger than the caller's bound; it was not read."""
 
@@ -129,6 +133,35 @@ STAGING_MAX_AGE = 3600.0
 #: filesystem journal's commits. Measured on a 120,000-event catch-up (3 rounds each): the syncs
 #: took 0.85-0.97 s in one thread, 0.64-0.84 s in four.
 SYNC_LANES = 4
+
+
+#: The S3 error code in a server's XML answer (``<Code>NoSuchBucket</Code>``).
+_S3_CODE = re.compile(r"<Code>([A-Za-z]{1,64})</Code>")
+#: What an S3 error code means to the operator, and what to check.
+_S3_CAUSES = {
+    "NoSuchBucket": "the bucket does not exist",
+    "SignatureDoesNotMatch": "the server refused the credentials' signature "
+                             "(check TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY)",
+    "InvalidAccessKeyId": "the server knows no such access key id (check TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID)",
+    "AccessDenied": "access denied (the credentials lack a permission on this bucket)",
+    "InvalidBucketName": "the bucket name is not valid",
+    "SlowDown": "the server asks to slow down",
+}
+
+
+def _cause(e: BaseException) -> tuple[str, str | None]:
+    """Why a store call failed, in words that hold nothing of the server's answer but its S3 error
+    code (a fixed vocabulary); and that code, when there is one."""
+    text = str(e)
+    found = _S3_CODE.search(text)
+    if found is not None:
+        code = found.group(1)
+        return f"{_S3_CAUSES.get(code, 'the server answered')} ({code})", code
+    if "error sending request" in text or "dns error" in text or "Connection refused" in text:
+        return f"the server is unreachable (check TOASTMACHINE_ARCHIVE_S3_ENDPOINT) ({type(e).__name__})", None
+    if "timed out" in text or "TimedOut" in text:
+        return f"the server did not answer in time ({type(e).__name__})", None
+    return type(e).__name__, None
 
 
 def _check_key(key: str) -> None:
@@ -204,9 +237,12 @@ class ArchiveStore:
             settings.archive_s3_access_key_id, settings.archive_s3_secret_access_key))
 
     def _failed(self, op: str, key: str, e: BaseException) -> ArchiveStoreError:
-        # obstore's message can carry the server's whole XML answer; the type says enough, and the
-        # original stays chained for a debug log.
-        return ArchiveStoreError(f"archive store ({self.description}): {op} {key} failed: {type(e).__name__}")
+        # obstore's message carries the server's whole XML answer, which is never repeated: only the
+        # S3 error code in it, or what kind of failure it was (see _cause); the original stays
+        # chained for a debug log.
+        cause, code = _cause(e)
+        kind = StoreMissing if code == "NoSuchBucket" else ArchiveStoreError
+        return kind(f"archive store ({self.description}): {op} {key} failed: {cause}")
 
     async def _create(self, key: str, data: bytes, op: str) -> bool:
         """Create ``key`` with ``data``: True, or False when the key exists (nothing written)."""
@@ -260,7 +296,9 @@ class ArchiveStore:
             if size > max_bytes:
                 raise ObjectTooLarge(f"{key} is {size} bytes, more than {max_bytes}")
             data = bytes(await result.bytes_async())
-        except (NotFoundError, FileNotFoundError):
+        except (NotFoundError, FileNotFoundError) as e:
+            if _cause(e)[1] == "NoSuchBucket":  # the bucket is missing, not the object
+                raise self._failed("get", key, e) from e
             raise ObjectNotFound(f"archive store ({self.description}): no object {key}") from None
         except (BaseError, OSError) as e:
             raise self._failed("get", key, e) from e
@@ -352,7 +390,9 @@ class ArchiveStore:
         _check_key(key)
         try:
             meta = await obstore.head_async(self._store, key)
-        except (NotFoundError, FileNotFoundError):
+        except (NotFoundError, FileNotFoundError) as e:
+            if _cause(e)[1] == "NoSuchBucket":  # the bucket is missing, not the object
+                raise self._failed("head", key, e) from e
             return None
         except (BaseError, OSError) as e:
             raise self._failed("head", key, e) from e

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable, Mapping
@@ -158,7 +159,7 @@ class Settings:
             public_url=get("PUBLIC_URL", _url("http", "https"), None),
             corpus_id=get("CORPUS_ID", _uuid, None),
             lineage=get("LINEAGE", _uuid, None),
-            archive_url=get("ARCHIVE_URL", _archive_url, None),
+            archive_url=get("ARCHIVE_URL", check_archive_url, None),
             archive_s3_endpoint=get("ARCHIVE_S3_ENDPOINT", _url("http", "https"), None),
             archive_s3_region=get("ARCHIVE_S3_REGION", lambda _v, raw: raw, None),
             archive_s3_access_key_id=get("ARCHIVE_S3_ACCESS_KEY_ID", lambda _v, raw: raw, None),
@@ -250,8 +251,20 @@ def _signer_key(var: str, raw: str) -> str:
     return raw
 
 
-def _archive_url(var: str, raw: str) -> str:
-    # A bare path is a directory; otherwise only file:// and s3://bucket[/prefix] are understood.
+#: An S3 bucket name (the rules every S3-compatible server shares: 3-63 lowercase letters, digits,
+#: dots and hyphens, starting and ending with a letter or digit).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+#: A scheme we understand, written without its "//" (``s3:bucket/x``): a typo, not a directory name.
+_SCHEME_WITHOUT_SLASHES = re.compile(r"(?i)(s3|file):(?!//)")
+
+
+def check_archive_url(var: str, raw: str) -> str:
+    """``raw`` as an archive store location named ``var`` (a variable or a command-line option):
+    a bare path is a directory; otherwise only file:// and s3://bucket[/prefix] are understood.
+    ConfigError, naming ``var``, for anything else."""
+    if _SCHEME_WITHOUT_SLASHES.match(raw):
+        raise ConfigError(f"{var} starts like a URL but has no '//': write s3://bucket[/prefix] or "
+                          "file:///path (a directory path needs no scheme)")
     if "://" not in raw:
         return raw
     parts = urlsplit(raw)
@@ -263,6 +276,9 @@ def _archive_url(var: str, raw: str) -> str:
         if not parts.netloc or parts.query or parts.fragment or "@" in parts.netloc:
             raise ConfigError(f"{var} must be s3://bucket[/prefix] (credentials go in "
                               f"TOASTMACHINE_ARCHIVE_S3_*), got scheme s3 with a bad bucket or extras")
+        if not _BUCKET.fullmatch(parts.netloc):
+            raise ConfigError(f"{var}: {parts.netloc!r} is not an S3 bucket name (3 to 63 lowercase letters, "
+                              "digits, dots and hyphens, starting and ending with a letter or digit)")
         return raw
     raise ConfigError(f"{var} must be a directory, file:// or s3:// URL, got scheme {parts.scheme!r}")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import jsonschema
 import obstore
 import orjson
@@ -45,6 +46,7 @@ from tests.archive_fixtures import (
 )
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
 from tests.db_fixtures import fresh_database
+from tests.s3_server import S3Server
 
 
 async def _read(stack: Stack, path: str) -> bytes:
@@ -291,6 +293,45 @@ async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
         finally:
             await target.close()
     assert segment_key(archived.lineage, 0, 1, 1, Stream.PRIVATE).startswith(f"{archived.lineage}/private/")
+
+
+async def test_a_store_named_wrongly_on_the_command_line_is_said_so(
+        database_url: str, tmp_path: Path, s3_server: S3Server) -> None:
+    """A mistyped bucket is no archive there (restore: exit 2; verify: its report of nothing
+    verified, exit 1), saying NoSuchBucket; a malformed --from or --from-store is blamed on that
+    option, not on TOASTMACHINE_ARCHIVE_URL; the database stays empty throughout."""
+    async with fresh_database(database_url) as dsn:
+        env = {**os.environ, "TOASTMACHINE_DATABASE_URL": dsn, "TOASTMACHINE_DATA_DIR": str(tmp_path / "data"),
+               "TOASTMACHINE_ARCHIVE_S3_ENDPOINT": s3_server.endpoint, "TOASTMACHINE_ARCHIVE_S3_REGION": "us-east-1",
+               "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID": s3_server.access_key_id,
+               "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY": s3_server.secret_access_key}
+
+        async def cli(*args: str) -> tuple[int | None, bytes, bytes]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "toastmachine.cli", "archive", *args,
+                env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            assert b"Traceback" not in err and s3_server.secret_access_key.encode() not in out + err, err
+            return proc.returncode, out, err
+
+        code, out, err = await cli("restore", "--from", "s3://no-such-bucket-here/p")
+        assert code == 2, (out, err)
+        assert b"no archive there" in err and b"the bucket does not exist (NoSuchBucket)" in err, err
+        code, out, err = await cli("verify", "--from-store", "s3://no-such-bucket-here/p", "--no-database")
+        assert code == 1, (out, err)
+        report = orjson.loads(out)
+        assert not report["ok"] and "NoSuchBucket" in orjson.dumps(report).decode(), report
+        for option, command in (("--from", "restore"), ("--from-store", "verify")):
+            code, out, err = await cli(command, option, "s3:no-such-bucket-here/p")
+            assert code == 2, (out, err)
+            assert err.decode().startswith(f"toastmachine: {option} starts like a URL"), err
+            assert b"TOASTMACHINE_ARCHIVE_URL" not in err
+        conn = await asyncpg.connect(dsn)
+        try:  # nothing written (the schema may have been migrated: no row in it)
+            if await conn.fetchval("select to_regclass('changes') is not null"):
+                assert await conn.fetchval("select count(*) from changes") == 0
+        finally:
+            await conn.close()
 
 
 async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from infra.archive_store import (
     ObjectTooLarge,
     PutOutcome,
     S3Options,
+    StoreMissing,
 )
 from infra.config import Settings
 from protocol.archive import GENESIS_HASH, ArchivedEvent, Stream, decode_segment, encode_segment, segment_key
@@ -196,6 +197,36 @@ async def test_wrong_credentials_are_refused_without_leaking_them(s3_server: S3S
     assert s3_server.secret_access_key not in str(caught.value)
 
 
+async def test_each_s3_failure_says_its_cause_and_nothing_of_the_answer(s3_server: S3Server) -> None:
+    """A wrong secret, an unknown access key id, a missing bucket and a server that is not there
+    each name their cause (the S3 error code, and what to check), never the server's XML answer,
+    the request's address or a credential; a missing bucket is its own error (StoreMissing)."""
+    def s3(bucket: str, endpoint: str, key_id: str, secret: str) -> ArchiveStore:
+        return ArchiveStore.s3(bucket, "p", S3Options(endpoint, "us-east-1", key_id, secret))
+
+    server = s3_server
+    cases = [
+        (s3(server.bucket, server.endpoint, server.access_key_id, "definitely-wrong-secret"),
+         "SignatureDoesNotMatch", "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY"),
+        (s3(server.bucket, server.endpoint, "nosuchkeyid", server.secret_access_key),
+         "InvalidAccessKeyId", "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID"),
+        (s3("no-such-bucket-here", server.endpoint, server.access_key_id, server.secret_access_key),
+         "the bucket does not exist (NoSuchBucket)", "list (all)"),
+        (s3(server.bucket, f"http://127.0.0.1:{free_port()}", server.access_key_id, server.secret_access_key),
+         "the server is unreachable", "TOASTMACHINE_ARCHIVE_S3_ENDPOINT"),
+    ]
+    for store, cause, hint in cases:
+        with pytest.raises(ArchiveStoreError) as caught:
+            [info async for info in store.list()]
+        text = str(caught.value)
+        assert text.startswith(f"archive store ({store.description}): list (all) failed: "), text
+        said = text[len(f"archive store ({store.description}): "):]
+        assert cause in said and hint in said, text
+        assert isinstance(caught.value, StoreMissing) == ("NoSuchBucket" in cause), text
+        for leak in ("<", "http", "GET", server.secret_access_key, "definitely-wrong-secret", "RequestId"):
+            assert leak not in said, (leak, text)
+
+
 async def test_settings_choose_the_store(tmp_path: Path, s3_server: S3Server) -> None:
     # Unset: DATA_DIR/archive.
     default = ArchiveStore.from_settings(Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path)}))
@@ -221,7 +252,8 @@ async def test_settings_choose_the_store(tmp_path: Path, s3_server: S3Server) ->
     assert await s3_server.store(prefix).get("k/v") == b"3"
 
 
-@pytest.mark.parametrize("url", ["ftp://host/x", "s3://", "s3://user:pw@bucket/x", "file://host/x"])
+@pytest.mark.parametrize("url", ["ftp://host/x", "s3://", "s3://user:pw@bucket/x", "file://host/x",
+                                 "s3:bucket/x", "S3:bucket", "file:relative", "s3://Bad_Bucket!/x", "s3://ab/x"])
 def test_bad_archive_urls_are_refused_at_start(url: str) -> None:
     with pytest.raises(ConfigError) as caught:
         Settings.from_env({"TOASTMACHINE_ARCHIVE_URL": url})

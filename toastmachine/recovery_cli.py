@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from infra.archive_keys import KEY_FILE
-from infra.archive_store import ArchiveStore, S3Options
-from infra.config import Settings
+from infra.archive_store import ArchiveStore, S3Options, StoreMissing
+from infra.config import Settings, check_archive_url
 from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
 from protocol.errors import ConfigError
 
@@ -34,7 +34,7 @@ def _print_json(value: Any) -> None:
 
 
 class NoSuchStore(ConfigError):
-    """A store given on the command line names a directory that does not exist."""
+    """A store given on the command line names a directory, or a bucket, that does not exist."""
 
     def __init__(self, message: str, description: str) -> None:
         super().__init__(message)
@@ -52,6 +52,7 @@ def open_store(settings: Settings, url: str | None, *, option: str = "--from") -
     """
     if url is None:
         return ArchiveStore.from_settings(settings)
+    check_archive_url(option, url)
     directory = ArchiveStore.local_directory(url, settings.data_dir)
     if directory is not None and not directory.is_dir():
         where = directory.expanduser().resolve()
@@ -114,7 +115,10 @@ async def only_lineage(store: ArchiveStore) -> uuid.UUID | None:
     (the commands that read one then need ``--lineage``)."""
     from actors.recovery.walk import archived_lineages
 
-    found = await archived_lineages(store)
+    try:
+        found = await archived_lineages(store)
+    except StoreMissing as e:  # a mistyped bucket: no archive there, as for a missing directory
+        raise NoSuchStore(f"no archive there: {e}", store.description) from None
     if len(found) > 1:
         raise ConfigError(f"the store holds {len(found)} lineages ({', '.join(map(str, found))}): "
                           "choose one with --lineage")
@@ -166,7 +170,10 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
                 return _nothing(store.description)
             return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
 
-    report = asyncio.run(go())
+    try:
+        report = asyncio.run(go())
+    except NoSuchStore as e:
+        report = _nothing(e.description, str(e))
     _print_json(report)
     return 0 if report["ok"] else 1
 
