@@ -153,6 +153,14 @@ async def test_pkce_plain_and_missing_are_refused(front: Front) -> None:
         params = {"response_type": "code", "client_id": client["client_id"], "redirect_uri": REDIRECT}
         r = await http.get(front.base + "/authorize", params=params)
         assert r.status_code == 302 and "error=invalid_request" in r.headers["location"]
+        # No method named (RFC 7636: plain) with a plain challenge, or a challenge no S256 digest
+        # encodes to: refused at once, not after the consent page.
+        plain = params | {"code_challenge": verifier, "state": "st-1"}
+        r = await http.get(front.base + "/authorize", params=plain)
+        assert r.status_code == 302 and "error=invalid_request" in r.headers["location"], r.headers
+        for challenge in ("short", "a" * 42 + "=", "a" * 44):
+            r = await _authorize(http, front.base, client["client_id"], challenge)
+            assert r.status_code == 302 and "error=invalid_request" in r.headers["location"], challenge
     assert await front.db.pool.fetchval("select count(*) from oauth_pending") == 0
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import time
 import uuid
@@ -69,6 +70,8 @@ from infra.db.pool import Database
 from infra.logs import get_logger
 
 log = get_logger("toastmachine.mcp.oauth")
+#: An S256 PKCE challenge: the unpadded base64url of a SHA-256 digest (RFC 7636 §4.2).
+_S256_CHALLENGE = re.compile(r"[A-Za-z0-9_-]{43}")
 
 SCOPE_READ = "toastmachine:read"
 SCOPE_WRITE = "toastmachine:write"
@@ -401,6 +404,11 @@ class OAuthStore:
         raise AuthorizeError("invalid_target", "resource must be this server's MCP endpoint: " + self.resource)
 
     async def authorize(self, client: OAuthClientInformationFull, params: AuthorizationParams) -> str:
+        # The SDK takes a missing code_challenge_method for S256 (RFC 7636 says plain): a challenge
+        # that is not the form of an S256 one is refused here, before consent, not at the token.
+        if not _S256_CHALLENGE.fullmatch(params.code_challenge):
+            raise AuthorizeError("invalid_request", "code_challenge must be an S256 challenge (43 base64url "
+                                 "characters): PKCE S256 only, plain is refused")
         resource = self.canonical_resource(params.resource)
         scopes = list(dict.fromkeys(params.scopes or DEFAULT_SCOPES))
         if not scopes or not set(scopes) <= set(SCOPES):
