@@ -187,6 +187,30 @@ async def test_redirect_port_matters_off_loopback_but_not_on_it(front: Front) ->
         assert r.status_code == 302 and "/consent?" in r.headers["location"]
 
 
+async def test_redirect_uris_with_userinfo_and_oversized_oauth_bodies_are_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        r = await http.post(front.base + "/register", json={
+            "redirect_uris": ["https://trusted.example@app.example/cb"], "token_endpoint_auth_method": "none"})
+        assert r.status_code == 400 and r.json()["error"] == "invalid_redirect_uri", r.text
+        # localhost is a loopback host, as the refusal's wording says.
+        r = await http.post(front.base + "/register", json={"redirect_uris": ["http://app.example/cb"]})
+        assert "localhost" in r.json()["error_description"], r.text
+        assert (await _register(http, front.base, redirect_uris=["http://localhost:9/cb"]))["client_id"]
+        before = await front.db.pool.fetchval("select count(*) from oauth_clients")
+        big = b'{"redirect_uris": ["' + b"https://app.example/" + b"a" * (80 << 10) + b'"]}'
+        for path in ("/register", "/token", "/revoke"):
+            r = await http.post(front.base + path, content=big, headers={"content-type": "application/json"})
+            assert r.status_code == 413, (path, r.status_code, r.text[:200])
+
+        async def chunks() -> Any:  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 8192):
+                yield big[i:i + 8192]
+
+        r = await http.post(front.base + "/register", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, (r.status_code, r.text[:200])
+        assert await front.db.pool.fetchval("select count(*) from oauth_clients") == before
+
+
 async def test_wrong_resource_is_refused(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         client = await _register(http, front.base)

@@ -121,6 +121,11 @@ def transport_security(settings: Settings) -> TransportSecuritySettings:
                                      allowed_origins=sorted(origins))
 
 
+#: Bytes a request to /token, /register or /revoke may carry (a registration with many long
+#: redirect URIs is a few KiB).
+MAX_OAUTH_BODY = 64 << 10
+
+
 def build_app(settings: Settings, db: Database, *, tools: RegisterTools = register_tools,
               subscriptions: SubscriptionBus | None = None,
               stream_opened: Callable[[str], None] | None = None) -> ASGIApp:
@@ -175,6 +180,9 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         # Bodies bounded like the SDK's own routes (its RequestBodyLimitMiddleware).
         return RequestBodyLimitMiddleware(request_response(handler), DEFAULT_MAX_REQUEST_BODY_SIZE)
 
+    def oauth_post(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
+        return RequestBodyLimitMiddleware(cors_middleware(handler, ["POST", "OPTIONS"]), MAX_OAUTH_BODY)
+
     as_metadata = cors_middleware(MetadataHandler(metadata).handle, ["GET", "OPTIONS"])
     pr_metadata = cors_middleware(ProtectedResourceMetadataHandler(prm).handle, ["GET", "OPTIONS"])
     routes = [
@@ -183,11 +191,13 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/authorize", endpoint(_LimitedAuthorize(limiter, store, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
               methods=["GET", "POST"]),
-        Route("/token", cors_middleware(token.handle, ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
-        Route("/register", cors_middleware(RegistrationHandler(store, options=registration).handle,  # type: ignore[arg-type]
-                                           ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
-        Route("/revoke", cors_middleware(_PublicClientRevocation(store, authenticator).handle,  # type: ignore[arg-type]
-                                         ["POST", "OPTIONS"]), methods=["POST", "OPTIONS"]),
+        # cors_middleware adds no body bound (the SDK's own routes add one): these read small forms
+        # and JSON documents, bounded tighter than the SDK's 4 MiB.
+        Route("/token", oauth_post(token.handle), methods=["POST", "OPTIONS"]),
+        Route("/register", oauth_post(RegistrationHandler(store, options=registration).handle),  # type: ignore[arg-type]
+              methods=["POST", "OPTIONS"]),
+        Route("/revoke", oauth_post(_PublicClientRevocation(store, authenticator).handle),  # type: ignore[arg-type]
+              methods=["POST", "OPTIONS"]),
         Route("/consent", endpoint(consent.show), methods=["GET"]),
         Route("/consent", endpoint(consent.decide), methods=["POST"]),
         # Reached through the router only for what the fast path below does not take (``/mcp/``: redirect).

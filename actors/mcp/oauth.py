@@ -137,11 +137,14 @@ def check_redirect_uri(uri: str) -> None:
         raise ValueError("a redirect URI must not have a fragment")
     if not parts.hostname:
         raise ValueError("a redirect URI must name a host")
+    if "@" in parts.netloc:
+        # https://trusted.example@other.example/ goes to other.example: never what a person reads.
+        raise ValueError("a redirect URI must not carry a user name or password")
     if parts.scheme == "https":
         return
     if parts.scheme == "http" and is_loopback_host(parts.hostname):
         return
-    raise ValueError("redirect URIs must be https, or http on a loopback address (127.0.0.1, [::1])")
+    raise ValueError("redirect URIs must be https, or http on a loopback host (127.0.0.1, [::1], localhost)")
 
 
 def redirect_matches(registered: str, requested: str) -> bool:
