@@ -390,9 +390,7 @@ class ArchiveStore:
         _check_key(key)
         try:
             meta = await obstore.head_async(self._store, key)
-        except (NotFoundError, FileNotFoundError) as e:
-            if _cause(e)[1] == "NoSuchBucket":  # the bucket is missing, not the object
-                raise self._failed("head", key, e) from e
+        except (NotFoundError, FileNotFoundError):
             return None
         except (BaseError, OSError) as e:
             raise self._failed("head", key, e) from e
