@@ -175,6 +175,10 @@ def wake_queue(corpus_id: str) -> str:
     return f"tm.archiver.{corpus_id}"
 
 
+#: "Nothing recorded yet": distinct from None (the store answers) and from any error text.
+_UNRECORDED = object()
+
+
 def application_name(node_id: str) -> str:
     """The ``application_name`` of an archiver's lock connection."""
     return f"toastmachine-archiver:{node_id}"[:63]
@@ -455,6 +459,9 @@ class Archiver(Actor):
         self.activations = 0
         #: The last store failure while active (None once the store answers again).
         self.store_error: str | None = None
+        #: What archiver_store_state says this instance recorded last (_UNRECORDED: not read or
+        #: written since this activation, so the first round writes it whatever it held).
+        self._recorded_store_error: str | None | object = _UNRECORDED
         #: Per stream: the highest sequence in a verified segment, as this instance last saw it.
         self.verified_through: dict[Stream, int] = {}
         #: Per stream: the tree size of the last checkpoint this instance published.
@@ -569,6 +576,7 @@ class Archiver(Actor):
         self.active = True
         self.activations += 1
         self._batch_now.clear()  # each activation starts with small batches again
+        self._recorded_store_error = _UNRECORDED  # a predecessor may have left a failure recorded
         self.log.info("archiver.active", store=self.store.description)
         backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
@@ -609,6 +617,7 @@ class Archiver(Actor):
                 self.store_error = str(e)
                 self.log.warning("archiver.store_unavailable", error=str(e), retry_in=round(backoff, 2),
                                  detail="nothing is marked verified until the store answers again")
+                await guarded(session, self._record_store_state(session, self.store_error))
                 await self._pause(backoff, session.lost)
                 if session.lost.is_set():
                     raise LockLost("the archiver's database session closed") from None
@@ -617,6 +626,7 @@ class Archiver(Actor):
             if self.store_error is not None:
                 self.log.info("archiver.store_available")
                 self.store_error = None
+            await guarded(session, self._record_store_state(session, None))
             backoff = self.store_backoff[0]
             if busy:
                 continue
@@ -1069,6 +1079,18 @@ class Archiver(Actor):
         self.log.info("archiver.published", stream=stream.name.lower(), tree_size=last.tree_size)
         self._progressed()
 
+    async def _record_store_state(self, session: LockSession, error: str | None) -> None:
+        """Record in archiver_store_state whether the store answers (``error`` None) or why not,
+        when that differs from what this activation recorded last (one statement per change, none
+        per round)."""
+        if error == self._recorded_store_error:
+            return
+        await session.conn.execute(
+            "update archiver_store_state set error = $1, node_id = $2, updated_at = now(), "
+            "failing_since = case when $1::text is null then null else coalesce(failing_since, now()) end",
+            error, self.node_id)
+        self._recorded_store_error = error
+
     async def _measure(self, session: LockSession) -> None:
         verified = int(await session.conn.fetchval(
             "select verified_through from archive_watermarks where stream = 0"))
@@ -1092,6 +1114,8 @@ class ArchiverCollector(SingleActiveCollector[Archiver]):
     def families() -> tuple[Family, ...]:
         return (GaugeMetricFamily("toastmachine_archiver_active",
                                   "1 while this process's archiver holds the lock and archives."),
+                GaugeMetricFamily("toastmachine_archive_store_up",
+                                  "1 while the active archiver's object store answers, 0 while it fails (retried with a back-off)."),
                 GaugeMetricFamily("toastmachine_archive_verified_through",
                                   "Highest change sequence in a verified archive segment."),
                 GaugeMetricFamily("toastmachine_archive_lag_events",
@@ -1099,8 +1123,10 @@ class ArchiverCollector(SingleActiveCollector[Archiver]):
                                   "sequence difference)."))
 
     def fill(self, actor: Archiver, families: tuple[Family, ...]) -> None:
-        active, verified, lag = families
+        active, store_up, verified, lag = families
         active.add_metric([], 1.0 if actor.active else 0.0)
+        if actor.active:
+            store_up.add_metric([], 0.0 if actor.store_error is not None else 1.0)
         if Stream.PUBLIC in actor.verified_through:
             verified.add_metric([], float(actor.verified_through[Stream.PUBLIC]))
         if actor.lag_events is not None:

@@ -497,6 +497,41 @@ async def test_an_unreachable_store_holds_verification_back_and_the_archiver_cat
         assert len(decoded) == len(segs) == 3
 
 
+@pytest.mark.parametrize("stack_backends", ["local"], indirect=True)
+async def test_a_store_refusing_the_archivers_credentials_shows_on_readyz_until_fixed(
+        stack: Stack, s3_server: S3Server) -> None:
+    """A wrong secret: the archiver retries, and every node's /readyz says why in its archive detail
+    (without the secret; readiness itself unaffected); an archiver with the right one clears it."""
+    prefix = f"creds-{uuid.uuid4().hex[:8]}"
+
+    async def store_detail() -> dict[str, Any]:
+        resp = await stack.client.get("/readyz")
+        assert resp.status == 200  # an archive problem is detail, never readiness
+        detail: dict[str, Any] = (await resp.json())["checks"]["archive"]["store"]
+        return detail
+
+    assert await store_detail() == {"status": "ok"}  # nothing recorded yet
+    await write_messages(stack, 2)
+    async with archiving(stack, s3_server.store(prefix, secret="definitely-wrong-secret"),
+                         SealPolicy(events=2, seconds=3600), node_id="arch-creds", store_backoff=(0.1, 0.5)):
+        failing = await until(lambda: _failing(store_detail), what="/readyz to report the failing store")
+    assert failing["node"] == "arch-creds" and failing["failing_since"].endswith("Z")
+    assert "SignatureDoesNotMatch" in failing["error"] or "InvalidAccessKeyId" in failing["error"], failing
+    assert "definitely-wrong-secret" not in failing["error"] and "<" not in failing["error"]
+    async with archiving(stack, s3_server.store(prefix), SealPolicy(events=2, seconds=3600), node_id="arch-fixed"):
+        await published(stack, 1)
+        await until(lambda: _ok(store_detail), what="/readyz to report the store answering")
+
+
+async def _failing(read: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any] | None:
+    detail = await read()
+    return detail if detail["status"] == "failing" else None
+
+
+async def _ok(read: Callable[[], Awaitable[dict[str, Any]]]) -> bool:
+    return (await read())["status"] == "ok"
+
+
 async def test_a_fork_alarm_stops_the_archiver_loudly(stack: Stack, tmp_path: Path) -> None:
     """Another history's bytes already under the name of segment 0: the archiver crashes with the
     fork alarm instead of marking anything written, and the object is left as it was."""

@@ -116,10 +116,14 @@ async def test_metadata_and_401_challenge(front: Front) -> None:
         challenge = r.headers["www-authenticate"]
         assert f'resource_metadata="{front.base}/.well-known/oauth-protected-resource/mcp"' in challenge
         assert 'scope="toastmachine:read toastmachine:write"' in challenge
+        # No credentials sent: where to get them, and no error code (RFC 6750, section 3.1).
+        assert challenge.startswith("Bearer resource_metadata=") and "error=" not in challenge
         for bad in ("tma_" + secrets.token_urlsafe(32), "garbage"):
             r = await http.post(front.base + "/mcp", json=_INIT, headers={**_MCP_HEADERS,
                                                                          "Authorization": f"Bearer {bad}"})
             assert r.status_code == 401
+            assert r.headers["www-authenticate"].startswith('Bearer error="invalid_token"')
+            assert r.json()["error"] == "invalid_token"
 
 
 async def test_bad_origin_is_403(front: Front) -> None:

@@ -374,11 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_archive_status(settings: Settings, args: argparse.Namespace) -> int:
     """Print the archive's state as JSON: watermarks, segments by state, latest checkpoint, lag, the
-    active archiver and the store."""
+    active archiver, the store and whether it answered the archiver last time."""
     import json
 
     from actors.archiver import active_archiver
-    from actors.reads.archive import archive_lag
+    from actors.reads.archive import archive_lag, store_state
     from infra.archive_store import ArchiveStore
 
     async def go() -> dict[str, Any]:
@@ -395,7 +395,7 @@ def cmd_archive_status(settings: Settings, args: argparse.Namespace) -> int:
                 "segments": dict(r["segments"])} for r in rows}
             return {"database": label, "store": ArchiveStore.from_settings(settings).description,
                     "active_archiver": await active_archiver(db),
-                    "lag_events": await archive_lag(db), **streams}
+                    "store_state": await store_state(db), "lag_events": await archive_lag(db), **streams}
 
     print(json.dumps(asyncio.run(go()), indent=2, sort_keys=True), flush=True)
     return 0

@@ -67,10 +67,14 @@ class SetHeaders:
         await self.app(scope, receive, setting_headers(send, self.headers))
 
 
-def challenge(resource_metadata: str, *, error: str, description: str, scope: str) -> str:
-    """The ``WWW-Authenticate`` value of a 401/403: the error, where the metadata is, what scope to ask for."""
-    return (f'Bearer error="{error}", error_description="{description}", '
-            f'resource_metadata="{resource_metadata}", scope="{scope}"')
+def challenge(resource_metadata: str, *, error: str | None, description: str, scope: str) -> str:
+    """The ``WWW-Authenticate`` value of a 401/403: the error, where the metadata is, what scope to ask for.
+
+    ``error`` None: a request that carried no credentials at all, to which RFC 6750 (section 3.1)
+    gives no error code, only where to get one.
+    """
+    found = f'error="{error}", error_description="{description}", ' if error is not None else ""
+    return f'Bearer {found}resource_metadata="{resource_metadata}", scope="{scope}"'
 
 
 class McpEndpoint:
@@ -95,7 +99,9 @@ class McpEndpoint:
         sending = setting_headers(send, _MCP_HEADERS)
         authenticated = await self.backend.authenticate(HTTPConnection(scope))
         if authenticated is None:
-            await self._refuse(sending, 401, "invalid_token", "Authentication required", self.all_scopes)
+            presented = any(k.lower() == b"authorization" for k, _ in scope.get("headers", ()))
+            await self._refuse(sending, 401, "invalid_token", "Authentication required", self.all_scopes,
+                               challenged=presented)
             return
         credentials, user = authenticated
         assert isinstance(user, AuthenticatedUser)
@@ -136,9 +142,13 @@ class McpEndpoint:
                     return want
         return None
 
-    async def _refuse(self, send: Send, status: int, error: str, description: str, scope: str) -> None:
+    async def _refuse(self, send: Send, status: int, error: str, description: str, scope: str, *,
+                      challenged: bool = True) -> None:
+        """Answer ``status`` with the JSON error and its ``WWW-Authenticate`` challenge; ``challenged``
+        False (no credentials were sent): the challenge names no error."""
         body = orjson.dumps({"error": error, "error_description": description})
-        header = challenge(self.resource_metadata, error=error, description=description, scope=scope)
+        header = challenge(self.resource_metadata, error=error if challenged else None, description=description,
+                           scope=scope)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

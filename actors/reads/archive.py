@@ -114,6 +114,18 @@ async def archive_lag(target: Target, verified_through: int | None = None, cap: 
             verified_through, cap))
 
 
+async def store_state(target: Target) -> dict[str, Any]:
+    """Whether the active archiver's store answers, as the archiver last recorded it:
+    ``{"status": "ok"}`` (also before any archiver ran), or ``{"status": "failing", "error",
+    "failing_since", "node"}``."""
+    async with connection(target) as conn:
+        row = await conn.fetchrow("select error, failing_since, node_id from archiver_store_state")
+    if row is None or row["error"] is None:
+        return {"status": "ok"}
+    return {"status": "failing", "error": row["error"], "node": row["node_id"],
+            "failing_since": row["failing_since"].isoformat().replace("+00:00", "Z")}
+
+
 async def public_key(store: ArchiveStore | None, lineage: str) -> str | None:
     """The checkpoint signer's verifier key as published in the store, or None before the archiver
     published it (or without a store)."""

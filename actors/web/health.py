@@ -67,10 +67,11 @@ async def _archive_detail(db: Database) -> dict[str, Any]:
         async with asyncio.timeout(CHECK_TIMEOUT):
             marks = await archive_reads.watermarks(db)
             lag = await archive_reads.archive_lag(db, marks.verified_through)
+            store = await archive_reads.store_state(db)
     except Exception:  # noqa: BLE001 - the database check above reports why
         return {"status": "unknown"}
     return {"archived_through": marks.archived_through, "verified_through": marks.verified_through,
-            "lag_events": lag}
+            "lag_events": lag, "store": store}
 
 
 def _public_reason(error: Exception) -> str:
