@@ -101,6 +101,25 @@ async def test_a_number_that_cannot_be_stored_exactly_is_refused_with_its_pointe
     assert await _count_changes(stack) == before
 
 
+async def test_a_key_named_twice_is_refused_with_its_pointer_and_nothing_is_stored(stack: Stack) -> None:
+    """A JSON library keeps one of two values under the same key (orjson the last): storing it would
+    drop the other silently. Spelled the same or escaped differently, at any depth: refused."""
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    before = await _count_changes(stack)
+    for body, pointer in ((b'{"content": "a", "content": "b"}', "/content"),
+                          (b'{"payload": {"n": 1, "\\u006e": 2}}', "/payload/n"),
+                          (b'{"payload": [{"ok": 1}, {"a/b": {"x": 1, "y": ":", "x": 2}}]}', "/payload/1/a~1b/x")):
+        error = _refusal(await _append_raw(stack, alice, cid, body), "duplicate_key")
+        assert error["pointer"] == pointer and error["field"] == pointer.split("/")[1], body
+    # Colons in strings and the same key in different objects are fine.
+    reply = await _append_raw(stack, alice, cid, b'{"content": "at 12:30: see http://x", '
+                                                 b'"payload": [{"k": "a:b"}, {"k": "c"}]}')
+    assert reply.status == 201, reply.body
+    assert reply.body["message"]["payload"] == [{"k": "a:b"}, {"k": "c"}]
+    assert await _count_changes(stack) == before + 1
+
+
 def _nested(levels: int) -> bytes:
     """A message body nesting ``levels`` levels in all: the body, then ``levels - 1`` in the payload."""
     inner = levels - 1

@@ -244,7 +244,7 @@ RESPONSES: dict[str, Schema] = {
     "UnsupportedMediaType": _error("The body is not sent as application/json."),
     "Unprocessable": _error("validation_failed (with field), json_too_deep (with limit: more than 64 levels of "
                             "arrays and objects), number_not_exact (with pointer: a number its stored form "
-                            "would change), unknown_schema, schema_validation_failed (with pointer), "
+                            "would change), duplicate_key (with pointer: a key named twice in one object), unknown_schema, schema_validation_failed (with pointer), "
                             "event_too_large, verification_needs_claim..."),
     "OnboardingRequired": _error("onboarding_required: GET /guide with the credential, then retry the "
                                  "identical request with the same Operation-Token."),
