@@ -39,6 +39,8 @@ from protocol.validation import decode_json_body
 log = get_logger("toastmachine.http")
 
 TRACE_RESPONSE_HEADER = "X-Trace-Id"
+#: Where the middleware keeps a request's trace id (read by :func:`trace_header`).
+TRACE_ID: web.RequestKey[str] = web.RequestKey("trace_id", str)
 #: The request's client address, resolved once by the middleware (see :func:`request_client`).
 CLIENT_ADDRESS: web.RequestKey[Address | None] = web.RequestKey("client_address")
 #: Seconds a request body may take to arrive (TOASTMACHINE_HTTP_READ_TIMEOUT); unset: no deadline.
@@ -94,6 +96,14 @@ def request_client(request: web.Request) -> Address | None:
     return resolve_client(request, TrustedProxies())
 
 
+async def trace_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the request's trace id on every answer, those a handler streams
+    (prepares itself: the export, the SSE stream) too, which the middleware sees only once sent."""
+    trace_id = request.get(TRACE_ID)
+    if trace_id is not None:
+        response.headers[TRACE_RESPONSE_HEADER] = trace_id
+
+
 def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProxies | None = None) -> Any:
     """The one middleware: resolves the client address, binds a trace id, renders errors, records
     request metrics. ``trusted_proxies``: whose forwarding headers name the client (default nobody)."""
@@ -107,6 +117,7 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
         with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
                          method=request.method, path=request.path,
                          client=str(client) if client is not None else "unknown") as trace_id:
+            request[TRACE_ID] = trace_id  # for answers streamed before the handler returns (trace_header)
             try:
                 response = await handler(request)
             except ClientGone:

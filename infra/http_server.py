@@ -224,6 +224,12 @@ class GuardedAppRunner(web.AppRunner):
         # A request whose handler did not read its whole body is drained for at most this long
         # before the connection closes (aiohttp's default is 10 s); a stalled body is not waited on longer.
         kwargs.setdefault("lingering_time", min(10.0, read_timeout) if read_timeout > 0 else 10.0)
+        # A client that disconnects has its handler cancelled (aiohttp's default is to let it run):
+        # a search it gave up on stops its query (asyncpg cancels the statement), and a live stream
+        # it dropped frees its slot at once instead of at the next write that fails. A write the
+        # client left is unaffected: its command is already on the bus, and a retry with the same
+        # Operation-Token gets the stored answer.
+        kwargs.setdefault("handler_cancellation", True)
         super().__init__(app, metrics=metrics, read_timeout=read_timeout, **kwargs)
 
     async def _make_server(self) -> web.Server:

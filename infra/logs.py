@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -49,7 +50,10 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # Plain tracebacks: with rich installed, structlog's default shows every frame's local
+        # variables, and a connection's locals hold its DSN with the password.
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                                 exception_formatter=structlog.dev.plain_traceback)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_logger_name,
@@ -62,7 +66,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    formatter = structlog.stdlib.ProcessorFormatter(
+    formatter = _RedactingFormatter(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info if fmt == "json" else _identity,
@@ -70,6 +74,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter)
+    handler.addFilter(_library_lines)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -80,6 +85,36 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     # XDG_RUNTIME_DIR) are printed raw to stderr by default: one stray non-JSON line breaks a JSON
     # log pipeline. Route them through the handler above as records of the "py.warnings" logger.
     logging.captureWarnings(True)
+
+
+#: A URL's password (``scheme://user:password@``), wherever a line holds one.
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
+#: Libraries whose failures while reconnecting are expected during an outage: our own lines say
+#: what happened (bus.connection_lost, writer.database_unavailable...), so theirs are one line each.
+_RECONNECTING_LIBRARIES = ("asyncpg", "aiormq", "aio_pika", "pamqp")
+
+
+class _RedactingFormatter(structlog.stdlib.ProcessorFormatter):
+    """The processor formatter, with any URL password in the finished line replaced by ``***``: a
+    last guard for what a library puts in its own messages."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return _URL_PASSWORD.sub(r"\g<head>***@", super().format(record))
+
+
+def _library_lines(record: logging.LogRecord) -> bool:
+    """Render a reconnecting library's record as one line: its traceback becomes the exception's
+    type and message, and its errors are warnings (the outage is reported at error by us, once)."""
+    if record.name.split(".", 1)[0] in _RECONNECTING_LIBRARIES:
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(error).__name__}: {error}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 def _identity(_: Any, __: str, event: Any) -> Any:

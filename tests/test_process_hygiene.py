@@ -170,3 +170,32 @@ async def test_a_service_url_with_an_impossible_port_is_a_configuration_error(tm
     assert await proc.wait(timeout=15) == 2, proc.output
     lines = [line for line in proc.output if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("toastmachine: configuration error: TOASTMACHINE_DATABASE_URL"), lines
+
+
+async def test_a_database_outage_logs_no_password_and_no_traceback(tmp_path: Path, database_url: str) -> None:
+    """The node's database goes away for a while (a forwarder in front of it cut: every connection
+    dropped, new ones refused) and comes back: the node says so in one line per event and never
+    shows the password of its database URL (with rich installed, structlog's tracebacks showed
+    every frame's local variables, a connection's DSN among them)."""
+    from tests.tcp_proxy import TcpProxy
+
+    server = urlsplit(database_url)
+    proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
+    await proxy.up()
+    password = f"Pw-{uuid.uuid4().hex}"  # trust authentication ignores it; it must still never be shown
+    url = f"postgresql://{server.username or 'postgres'}:{password}@127.0.0.1:{proxy.port}{server.path}"
+    node = await procs.start("up", env=_env(tmp_path / "data", TOASTMACHINE_DATABASE_URL=url))
+    try:
+        await node.wait_listening(timeout=60)
+        await proxy.down()
+        # asyncpg's pool reports its failed reconnects on its own (with the exception attached).
+        await node.wait_for_line(r"restore the pool connection floor", timeout=60)
+        await proxy.up()
+        await node.wait_for_line(r"(publisher|archiver)\.active", timeout=60)  # back, by itself
+    finally:
+        await node.stop()
+        await proxy.down()
+    text = "\n".join(node.output)
+    assert password not in text
+    assert not procs.unexpected_tracebacks(node.output), text
+    assert not [line for line in node.output if line.lstrip().startswith(("│", "╭", "Traceback"))], text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import struct
 import uuid
 from typing import Any
 
@@ -107,6 +108,62 @@ async def test_the_per_client_cap_on_streams_answers_503_with_retry_after(stack:
         assert second.status == 503 and second.headers["Retry-After"] == "5"
         assert (await second.json())["error"]["code"] == "too_many_streams"
         first.close()
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_MAX_PER_CLIENT="1", TOASTMACHINE_STREAM_HEARTBEAT="600")
+async def test_a_dropped_stream_frees_its_slot_at_once_not_at_the_next_write(stack: Stack) -> None:
+    """The client resets the connection as soon as the answer starts (a browser on a flaky network),
+    and no change or heartbeat (ten minutes) is ever written to it: the handler is cancelled with
+    the connection, so the client's one slot is free for its reconnect."""
+    from actors.web.stream import STREAM_SLOTS
+
+    slots = stack.client.app[STREAM_SLOTS]
+    host, port = stack.client.server.host, stack.client.server.port
+    async with publishing(stack):
+        for attempt in range(5):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /corpus/stream HTTP/1.1\r\nHost: node\r\n\r\n")
+            async with asyncio.timeout(10):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200"), attempt
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # RST: the server learns it only from the connection's loss
+            await _until(lambda: slots._open == 0, timeout=20)
+        again = await _open(stack)
+        assert again.status == 200
+        await _ready(again)
+        again.close()
+
+
+async def test_head_of_the_stream_is_headers_only_and_every_streamed_answer_has_a_trace_id(stack: Stack) -> None:
+    """HEAD answers a GET's headers with no body (the connection stays usable for the next request),
+    and the answers handlers stream themselves carry X-Trace-Id like every other."""
+    alice = await stack.register()
+    await stack.conversation(alice)
+    host, port = stack.client.server.host, stack.client.server.port
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"HEAD /corpus/stream?after=0 HTTP/1.1\r\nHost: node\r\n\r\n"
+                     b"GET /healthz HTTP/1.1\r\nHost: node\r\n\r\n")
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+            assert re.search(rb"(?im)^x-trace-id: \S+", head), head
+            # Next on the wire: the second answer's status line, not stream bytes.
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            rest = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"(?im)^content-length: (\d+)", rest).group(1))  # type: ignore[union-attr]
+            assert b'"ok"' in await reader.readexactly(length)
+    finally:
+        writer.close()
+    async with publishing(stack):
+        live = await _open(stack)
+        assert live.status == 200 and live.headers.get("X-Trace-Id")
+        live.close()
+    for route in ("/corpus/changes.jsonl", "/corpus/snapshot.jsonl"):
+        resp = await stack.client.get(route)
+        assert resp.status == 200 and resp.headers.get("X-Trace-Id"), route
+        await resp.read()
 
 
 async def test_after_beyond_the_head_is_refused_with_guidance(stack: Stack) -> None:

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from actors.web import agents, archive, auth, export, front, health, ingress, openapi, reads, stream
 from actors.web.context import NODE
-from infra.http import READ_TIMEOUT, make_middleware
+from infra.http import READ_TIMEOUT, make_middleware, trace_header
 from infra.http_server import GuardedAppRunner
 from infra.runtime import Actor
 
@@ -39,6 +39,7 @@ def make_app(node: Node) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     app[NODE] = node
     app.on_response_prepare.append(_set_server_header)
+    app.on_response_prepare.append(trace_header)
     app[READ_TIMEOUT] = node.settings.http_read_timeout
     auth.install(app)
     health.add_routes(app)

@@ -318,6 +318,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
     corpus_id, lineage = node_identity(request)
     after, field, filters = _parse(request)
     check_lineage(request, corpus_id, lineage)
+    if request.method == "HEAD":
+        # The headers a GET would start with, and no body (RFC 9110): no slot taken, nothing followed.
+        headers_only = web.StreamResponse(headers=_stream_headers(corpus_id, lineage))
+        await headers_only.prepare(request)
+        return headers_only
     # The per-client cap counts the resolved client (forwarding headers only from trusted proxies),
     # so clients behind one load balancer are not lumped together as its address.
     client = request_client(request)
@@ -331,14 +336,17 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return await _serve(request, after, filters, corpus_id, lineage)
 
 
+def _stream_headers(corpus_id: str, lineage: str) -> dict[str, str]:
+    """The headers of a stream's answer (GET and HEAD)."""
+    return {**identity_headers(corpus_id, lineage), "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-store", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
 async def _serve(request: web.Request, after: int | None, filters: _Filters, corpus_id: str,
                  lineage: str) -> web.StreamResponse:
     node = request.app[NODE]
     hub = request.app[HUB]
-    response = web.StreamResponse(headers={
-        **identity_headers(corpus_id, lineage),
-        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
-        "X-Accel-Buffering": "no", "Connection": "keep-alive"})
+    response = web.StreamResponse(headers=_stream_headers(corpus_id, lineage))
     await response.prepare(request)
     out = _Stream(response, filters, after if after is not None else 0, request.app[LOOKUP],
                   transport=request.transport if not response.compression else None)
@@ -362,7 +370,7 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
     except ConnectionError:
         log.info("stream.client_gone", last=out.last)  # nothing to answer: the client left
     except asyncio.CancelledError:
-        raise  # the node is stopping
+        raise  # the client left (aiohttp cancels the handler: see infra/http_server.py) or the node is stopping
     except TimeoutError:
         log.info("stream.client_stuck", last=out.last)
         await out.error("slow_consumer")
