@@ -114,12 +114,27 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
         incoming = request.headers.get(TRACE_RESPONSE_HEADER, "")
         started = time.perf_counter()
         client = request[CLIENT_ADDRESS] = resolve_client(request, trusted)
+
+        def record(status: int) -> None:
+            if metrics is not None:
+                info = request.match_info.route.resource
+                route = info.canonical if info is not None else "unmatched"
+                metrics.requests.labels(request.method, route, str(status)).inc()
+                metrics.latency.labels(request.method, route).observe(time.perf_counter() - started)
+
         with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
                          method=request.method, path=request.path,
                          client=str(client) if client is not None else "unknown") as trace_id:
             request[TRACE_ID] = trace_id  # for answers streamed before the handler returns (trace_header)
             try:
                 response = await handler(request)
+            except asyncio.CancelledError:
+                # aiohttp cancels the handler of a client that disconnected (handler_cancellation):
+                # counted as the 499 it would have been answered, then the cancellation goes on.
+                if request.transport is None or request.transport.is_closing():
+                    log.info("http.client_gone")
+                    record(CLIENT_CLOSED)
+                raise
             except ClientGone:
                 log.info("http.client_gone")
                 response = web.Response(status=CLIENT_CLOSED)
@@ -145,11 +160,7 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
                 response = error_response(InternalError())
             if not response.prepared:
                 response.headers[TRACE_RESPONSE_HEADER] = trace_id
-            if metrics is not None:
-                info = request.match_info.route.resource
-                route = info.canonical if info is not None else "unmatched"
-                metrics.requests.labels(request.method, route, str(response.status)).inc()
-                metrics.latency.labels(request.method, route).observe(time.perf_counter() - started)
+            record(response.status)
             return response
 
     return middleware
