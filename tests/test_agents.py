@@ -235,7 +235,7 @@ async def test_me_shows_the_agent_with_zero_activity(client: TestClient) -> None
         "description": "Just me.",
         "created_at": reg["created_at"],
         "onboarded": False,
-        "activity": {"message_count": 0, "conversation_count": 0, "last_sequence": None},
+        "activity": {"message_count": 0, "conversation_count": 0},  # no last_sequence before a first change
     }
     # The scheme is case-insensitive (RFC 7235).
     resp = await client.get("/me", headers={"Authorization": f"bearer {reg['credential']}"})

@@ -610,7 +610,7 @@ async def test_agent_directory_and_activity(stack: Stack) -> None:
                                             "last_sequence": c2["sequence"]}
     assert by_name["bob"]["activity"] == {"message_count": 1, "conversation_count": 1,
                                           "last_sequence": rel.body["sequence"]}  # the assertion counts
-    assert by_name["Carol"]["activity"] == {"message_count": 0, "conversation_count": 0, "last_sequence": None}
+    assert by_name["Carol"]["activity"] == {"message_count": 0, "conversation_count": 0}  # absent, not null
     assert by_name["dave"]["activity"] == by_name["Carol"]["activity"]
     assert by_name["Carol"]["agent_id"] == carol.agent_id
     assert set(by_name["Carol"]) == {"agent_id", "name", "created_at", "activity"}  # no description: absent
@@ -750,6 +750,34 @@ async def test_search_phrases_and_exclusions_with_common_words(stack: Stack) -> 
     assert scrambled["message"]["id"] not in [h["message"]["id"] for h in phrase["items"]]
     assert [h["message"]["id"] for h in excluded["items"]] == [retry["message"]["id"]]
     assert retry_the["message"]["id"] not in [h["message"]["id"] for h in excluded["items"]]
+
+
+async def test_search_refuses_queries_that_would_rank_everything_and_stops_one_that_runs_too_long(
+        stack: Stack, monkeypatch: Any) -> None:
+    """Only exclusions match (and rank) every message; past 16 words a query only costs more: both
+    are refused before any statement. A search that outlasts its timeout is cancelled on the
+    server and answered 503."""
+    from actors.reads import queries
+
+    alice = await stack.register("alice")
+    await stack.conversation(alice, "words", content="retry the thing or not")
+    for q, why in (("-timeout -retry", "no word to match"), ('-"the thing" !!! -or', "no word to match"),
+                   (" ".join(f"w{i}" for i in range(17)), "at most 16")):
+        reply = await _get(stack, "/search", params={"q": q})
+        assert reply.status == 400 and reply.body["error"]["field"] == "q", (q, reply.body)
+        assert why in reply.body["error"]["message"], reply.body
+    for q in (" ".join(["retry"] * 16), "retry or thing -not", "or"):
+        assert (await _get(stack, "/search", params={"q": q})).status == 200, q
+    # A search that cannot finish in time: the messages table locked by another session.
+    monkeypatch.setattr(queries, "SEARCH_TIMEOUT", 0.5)
+    async with stack.db.pool.acquire() as locker, locker.transaction():
+        await locker.execute("lock table messages in access exclusive mode")
+        reply = await _get(stack, "/search", params={"q": "retry"})
+        assert reply.status == 503 and reply.body["error"]["code"] == "search_timeout", reply.body
+        waiting = await locker.fetchval("select count(*) from pg_stat_activity where wait_event_type = 'Lock' "
+                                        "and query like '%websearch_to_tsquery%'")
+        assert waiting == 0  # cancelled on the server, not left waiting behind the lock
+    assert (await _get(stack, "/search", params={"q": "retry"})).status == 200
 
 
 async def test_search_finds_words_between_angle_brackets(stack: Stack) -> None:

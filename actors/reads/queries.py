@@ -24,7 +24,7 @@ import asyncpg
 
 from actors.reads import rows
 from protocol.corpus import RELATIONSHIP_TYPES
-from protocol.errors import NotFound
+from protocol.errors import NotFound, ServiceUnavailable
 from protocol.query import Query, invalid
 
 #: The parameters each read accepts (anything else is a 400 naming it).
@@ -230,11 +230,41 @@ _EXACT_OPERATORS = re.compile(r'"|(?:^|\s)-\S')
 _NOT_TAGS = str.maketrans("<>", "  ")
 
 
+#: Words (phrase words included) a search query may hold: ranking costs every match times every
+#: word, and a query with more is never a better question.
+MAX_SEARCH_WORDS = 16
+#: Seconds a search may take before it is cancelled and answered 503 ``search_timeout``.
+SEARCH_TIMEOUT = 10.0
+#: A query's words: a quoted phrase (its words counted one by one) or a run of non-spaces.
+_SEARCH_TOKEN = re.compile(r'-?"[^"]*"?|\S+')
+
+
+def _check_search_words(text: str) -> None:
+    """400 when ``text`` excludes words but asks for none (it would match every message and rank
+    them all) or has more than :data:`MAX_SEARCH_WORDS` words."""
+    words, wanted = 0, False
+    tokens = _SEARCH_TOKEN.findall(text)
+    for i, token in enumerate(tokens):
+        excluded = token.startswith("-")
+        count = len(re.findall(r"\w+", token))
+        if not count or (token.lower() == "or" and 0 < i < len(tokens) - 1):
+            continue  # punctuation, or the OR operator between two terms
+        words += count
+        wanted = wanted or not excluded
+    if words > MAX_SEARCH_WORDS:
+        raise invalid("q", f"'q' has {words} words; a search takes at most {MAX_SEARCH_WORDS}.",
+                      "Search for the few words that matter most, and narrow with author, kind or tag.")
+    if words and not wanted:  # (no word at all, only punctuation: a query that matches nothing)
+        raise invalid("q", "'q' has no word to match: a query of only exclusions (-word) would match every message.",
+                      'Add a word to look for, e.g. q=retry -timeout.')
+
+
 def plan_search(q: Query) -> Plan:
     """``GET /search``: matches of both dictionaries' queries, ranked, with the message filters."""
     text = q.text("q", max_length=_Q_MAX, strip=True)
     if text is None:
         raise invalid("q", "'q' is required.", 'Send q=<words>, e.g. q=retry "operation token" -timeout.')
+    _check_search_words(text)
     where, values = _Where(), {"q": text}
     _message_filters(q, where, values, alias="m")
     limit, offset = q.limit(), q.offset() or 0
@@ -260,7 +290,15 @@ def plan_search(q: Query) -> Plan:
 async def search(pool: asyncpg.Pool, q: Query) -> Listing:
     """``GET /search?q=``: full-text search, best match first, counted; items are ``{rank, message}``."""
     plan = plan_search(q)
-    fetched = await pool.fetch(plan.sql, *plan.params)
+    try:
+        # asyncpg cancels the statement on the server when the timeout passes.
+        fetched = await pool.fetch(plan.sql, *plan.params, timeout=SEARCH_TIMEOUT)
+    except TimeoutError:
+        error = ServiceUnavailable(f"The search took longer than {SEARCH_TIMEOUT:g} s and was stopped.",
+                                  how_to_proceed="Search for rarer words, or narrow it with author, kind, tag "
+                                                 "or conversation.")
+        error.code = "search_timeout"
+        raise error from None
     total = fetched[0]["total"] if fetched else 0
     page, more = _page([r for r in fetched if r["id"] is not None], plan.limit)
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]

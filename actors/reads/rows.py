@@ -88,6 +88,14 @@ def agent(row: Any) -> dict[str, Any]:
     if row["description"] is not None:
         out["description"] = row["description"]
     out["created_at"] = rep.format_time(row["created_at"])
-    out["activity"] = {"message_count": row["message_count"], "conversation_count": row["conversation_count"],
-                       "last_sequence": row["last_sequence"]}
+    out["activity"] = activity(row)
+    return out
+
+
+def activity(row: Any) -> dict[str, Any]:
+    """An agent's activity columns as its ``activity``; ``last_sequence`` absent (not null) until
+    the agent's first change, as every optional field."""
+    out: dict[str, Any] = {"message_count": row["message_count"], "conversation_count": row["conversation_count"]}
+    if row["last_sequence"] is not None:
+        out["last_sequence"] = row["last_sequence"]
     return out

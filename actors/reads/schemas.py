@@ -89,10 +89,10 @@ def representation_schemas() -> dict[str, Schema]:
 
     s["Author"] = obj({"agent_id": ref("Id"), "name": ref("AgentName")},
                        description="Who wrote a message, started a conversation or asserted a relationship.")
-    s["AgentActivity"] = obj({"message_count": ref("Count"), "conversation_count": ref("Count"),
-                               "last_sequence": {"oneOf": [ref("Sequence"), {"type": "null"}]}},
+    s["AgentActivity"] = obj({"message_count": ref("Count"), "conversation_count": ref("Count")},
+                              {"last_sequence": ref("Sequence")},
                               description="Messages written, distinct conversations among them, and the "
-                                          "agent's latest change (null: none yet).")
+                                          "agent's latest change (absent: none yet).")
     description = {"type": "string", "minLength": 1, "maxLength": DESCRIPTION_MAX_CHARS}
     agent_fields = {"agent_id": ref("Id"), "name": ref("AgentName")}
     s["Agent"] = obj({**agent_fields, "created_at": ref("Timestamp"), "activity": ref("AgentActivity")},

@@ -27,6 +27,7 @@ from aiohttp import web
 from markdown_it import MarkdownIt
 
 from actors.guide import current_guide
+from actors.reads import rows
 from actors.web.auth import authenticate
 from actors.web.context import NODE
 from actors.web.render import FAVICON_LINK, NAV_STYLE, nav_html, page_headers
@@ -336,7 +337,8 @@ async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str,
     """Activity of one agent: ``{message_count, conversation_count, last_sequence}``.
 
     ``message_count``: messages it wrote; ``conversation_count``: distinct conversations among them;
-    ``last_sequence``: its latest change in the history (messages, assertions, retractions), or None.
+    ``last_sequence``: its latest change in the history (messages, assertions, retractions), absent
+    before its first.
     ``target`` is a :class:`Database`, a pool or a connection (e.g. inside a read transaction).
     """
     if isinstance(target, Database):
@@ -348,8 +350,4 @@ async def agent_activity(target: Target, agent_id: uuid.UUID | str) -> dict[str,
         " last_sequence from (values (1)) one left join agent_activity on agent_id = $1",
         key,
     )
-    return {
-        "message_count": row["message_count"],
-        "conversation_count": row["conversation_count"],
-        "last_sequence": row["last_sequence"],
-    }
+    return rows.activity(row)

@@ -206,8 +206,9 @@ def _md_conversation(c: dict[str, Any]) -> str:
 
 def _md_agent(a: dict[str, Any]) -> str:
     act = a["activity"]
+    latest = f"last sequence {act['last_sequence']}" if "last_sequence" in act else "no changes yet"
     text = (f"- **{_md(a['name'])}** ({a['agent_id']}): {plural(act['message_count'], 'message')} in "
-            f"{plural(act['conversation_count'], 'conversation')}, last sequence {act['last_sequence']}")
+            f"{plural(act['conversation_count'], 'conversation')}, {latest}")
     if "description" in a:
         text += f" — {_md(a['description'])}"
     return text
@@ -421,7 +422,7 @@ def _html_conversation_row(c: dict[str, Any]) -> str:
 
 def _html_agent_row(a: dict[str, Any]) -> str:
     act = a["activity"]
-    last = "" if act["last_sequence"] is None else act["last_sequence"]
+    last = act.get("last_sequence", "")
     description = _t(a["description"]) if "description" in a else ""
     return (f'<tr><td>{_agent_link(a)}</td><td>{description}</td>'
             f'<td>{_e(act["message_count"])}</td><td>{_e(act["conversation_count"])}</td><td>{_e(last)}</td></tr>')
