@@ -108,6 +108,10 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
                                        timeout=node.settings.command_timeout, headers=scope.headers(),
                                        batch_key=scope.command_key(WRITE_BATCH))
     except RequestTimeout:
+        # The client gets 504 outcome_unknown; the operator gets a line (no writer answering, or a
+        # stalled one, shows here rather than only in the clients' errors).
+        log.warning("ingress.write_timeout", operation=operation, timeout=node.settings.command_timeout,
+                    detail="no writer answered in time: outcome unknown to the client, who retries with its token")
         raise GatewayTimeout() from None
     except Unroutable:
         raise ServiceUnavailable(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -139,6 +140,21 @@ async def test_first_connect_to_a_closed_port_fails_fast_with_a_clear_message() 
     with pytest.raises(BusUnavailable):
         await bus.check()
     await bus.close()  # closing a bus that never connected is a no-op
+
+
+@pytest.mark.rabbitmq
+async def test_a_virtual_host_that_does_not_exist_is_named_as_the_likely_cause(rabbitmq_url: str) -> None:
+    """The broker closes Connection.Open on an unknown vhost: the message says what to check, not
+    aiormq's "Expected one of ['Connection.OpenOk'], got <Connection.Close object at 0x...>"."""
+    parts = urlsplit(rabbitmq_url)
+    missing = urlunsplit((parts.scheme, parts.netloc, f"/no-such-vhost-{unique_name('v')}", "", ""))
+    bus = RabbitBus(missing, connect_timeout=10)
+    async with asyncio.timeout(15):
+        with pytest.raises(BusUnavailable) as caught:
+            await bus.connect()
+    message = str(caught.value)
+    assert "virtual host in the URL does not exist" in message and "object at 0x" not in message, message
+    await bus.close()
 
 
 @pytest.mark.rabbitmq

@@ -161,6 +161,12 @@ class RabbitBus(Bus):
             with contextlib.suppress(Exception):
                 await connection.close()
             detail = self._scrub(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            if "got <Connection.Close" in str(e):
+                # The broker refused Connection.Open (aiormq keeps only the frame's name, not its
+                # reply text): the virtual host, or this user's permission on it.
+                detail = ("the broker closed the connection while opening it: the virtual host in the URL "
+                          "does not exist, or this user has no permission on it (rabbitmqctl list_vhosts, "
+                          "list_user_permissions)")
             raise BusUnavailable(f"cannot connect to RabbitMQ at {self.redacted_url}: {detail}") from None
         self._connection = connection
         try:
