@@ -294,11 +294,10 @@ async def search(pool: asyncpg.Pool, q: Query) -> Listing:
         # asyncpg cancels the statement on the server when the timeout passes.
         fetched = await pool.fetch(plan.sql, *plan.params, timeout=SEARCH_TIMEOUT)
     except TimeoutError:
-        error = ServiceUnavailable(f"The search took longer than {SEARCH_TIMEOUT:g} s and was stopped.",
-                                  how_to_proceed="Search for rarer words, or narrow it with author, kind, tag "
-                                                 "or conversation.")
-        error.code = "search_timeout"
-        raise error from None
+        raise ServiceUnavailable(f"The search took longer than {SEARCH_TIMEOUT:g} s and was stopped.",
+                                 code="search_timeout",
+                                 how_to_proceed="Search for rarer words, or narrow it with author, kind, tag "
+                                                "or conversation.") from None
     total = fetched[0]["total"] if fetched else 0
     page, more = _page([r for r in fetched if r["id"] is not None], plan.limit)
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]
