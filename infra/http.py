@@ -158,9 +158,7 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
             except Exception:
                 log.exception("http.unhandled_error")
                 response = error_response(InternalError())
-            if not response.prepared:
-                response.headers[TRACE_RESPONSE_HEADER] = trace_id
-            record(response.status)
+            record(response.status)  # (its X-Trace-Id is set as it is prepared: trace_header)
             return response
 
     return middleware

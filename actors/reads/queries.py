@@ -237,6 +237,7 @@ MAX_SEARCH_WORDS = 16
 SEARCH_TIMEOUT = 10.0
 #: A query's words: a quoted phrase (its words counted one by one) or a run of non-spaces.
 _SEARCH_TOKEN = re.compile(r'-?"[^"]*"?|\S+')
+_WORD = re.compile(r"\w+")
 
 
 def _check_search_words(text: str) -> None:
@@ -246,7 +247,7 @@ def _check_search_words(text: str) -> None:
     tokens = _SEARCH_TOKEN.findall(text)
     for i, token in enumerate(tokens):
         excluded = token.startswith("-")
-        count = len(re.findall(r"\w+", token))
+        count = len(_WORD.findall(token))
         if not count or (token.lower() == "or" and 0 < i < len(tokens) - 1):
             continue  # punctuation, or the OR operator between two terms
         words += count
