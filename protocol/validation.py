@@ -225,7 +225,7 @@ def _numbers(value: object, pointer: str) -> Iterator[tuple[str, _IntLiteral | _
     """Every number in ``value`` (depth already bounded by the caller) with its JSON Pointer."""
     if isinstance(value, dict):
         for key, child in value.items():
-            yield from _numbers(child, f"{pointer}/{key.replace('~', '~0').replace('/', '~1')}")
+            yield from _numbers(child, pointer + _pointer_step(key))
     elif isinstance(value, list):
         for i, child in enumerate(value):
             yield from _numbers(child, f"{pointer}/{i}")

@@ -18,6 +18,7 @@ from infra.archive_store import ArchiveStore, ObjectNotFound
 from infra.db.pool import Target, connection
 from protocol.archive import Stream, change_body, public_key_key, segment_key
 from protocol.merkle import inclusion_ranges, leaf_hash, node_hash, split_point, tree_root
+from protocol.representations import format_time
 
 #: Where the web front serves the public archive's parts.
 SEGMENTS_PATH = ARCHIVE_PATH + "/segments"
@@ -123,7 +124,7 @@ async def store_state(target: Target) -> dict[str, Any]:
     if row is None or row["error"] is None:
         return {"status": "ok"}
     return {"status": "failing", "error": row["error"], "node": row["node_id"],
-            "failing_since": row["failing_since"].isoformat().replace("+00:00", "Z")}
+            "failing_since": format_time(row["failing_since"])}
 
 
 async def public_key(store: ArchiveStore | None, lineage: str) -> str | None:
