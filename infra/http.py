@@ -191,6 +191,19 @@ async def read_json(request: web.Request, *, allow_empty: bool = False) -> objec
     return decode_json_body(body)
 
 
+def single_header(request: web.Request, name: str) -> str | None:
+    """The value of a header that may appear once (a credential, a token, a resume position), or
+    None when absent. Sent twice it is a 400 ``repeated_header`` naming it (RFC 9110 §5.3 lets
+    only list-valued fields repeat): which of two Operation-Tokens or credentials a client meant
+    is not a guess a server should make."""
+    values = request.headers.getall(name, ())
+    if len(values) > 1:
+        raise BadRequest(f"The {name} header is sent {len(values)} times; it takes one value.",
+                         code="repeated_header", extra={"field": name},
+                         how_to_proceed=f"Send {name} once.")
+    return values[0] if values else None
+
+
 def etag_matches(if_none_match: str | None, etag: str) -> bool:
     """``If-None-Match`` against ``etag``, with the weak comparison RFC 9110 prescribes for it:
     any listed tag equal but for a ``W/`` prefix, or ``*``."""

@@ -241,3 +241,36 @@ async def test_an_overlong_query_string_is_a_414_envelope(stack: Stack) -> None:
     resp = await stack.client.get("/messages?" + "q" * 250_000 + "=1")
     body = await resp.json()
     assert resp.status == 414 and body["error"]["code"] == "uri_too_long" and len(await resp.read()) < 1_000
+
+
+async def test_a_header_that_takes_one_value_sent_twice_is_refused_by_name(stack: Stack) -> None:
+    from multidict import CIMultiDict
+
+    alice, bob = await stack.register("alice"), await stack.register("bob")
+    body = orjson.dumps({"subject": "twice", "content": "c"})
+    cases = [
+        ("/conversations", "Operation-Token", [("Authorization", f"Bearer {alice.credential}"),
+                                                ("Operation-Token", "one"), ("Operation-Token", "two")]),
+        ("/conversations", "Authorization", [("Authorization", f"Bearer {alice.credential}"),
+                                              ("Authorization", f"Bearer {bob.credential}"),
+                                              ("Operation-Token", "three")]),
+    ]
+    for path, name, pairs in cases:
+        headers = CIMultiDict([("Content-Type", "application/json"), *pairs])
+        resp = await stack.client.post(path, data=body, headers=headers)
+        answer = await resp.json()
+        assert resp.status == 400, (name, answer)
+        assert answer["error"]["code"] == "repeated_header" and answer["error"]["field"] == name, answer
+        assert alice.credential not in await resp.text() and bob.credential not in await resp.text()
+    # Neither write took effect, under either token or either author.
+    resp = await stack.client.get("/conversations")
+    assert (await resp.json())["items"] == []
+    some_lineage = "6f1c8a52-95d4-4d4e-9a43-0c1a1f5b9e10"
+    for path, name, value in (("/corpus/stream", "Last-Event-ID", "0"),
+                              ("/corpus/changes.jsonl", "X-Corpus-Lineage", some_lineage)):
+        resp = await stack.client.get(path, headers=CIMultiDict([(name, value), (name, value)]))
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and (error["code"], error["field"]) == ("repeated_header", name), error
+    # Sent once, each is taken as before.
+    reply = await stack.post(alice, "/conversations", {"subject": "once", "content": "c"})
+    assert reply.status == 201, reply.body

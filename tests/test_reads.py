@@ -1200,6 +1200,28 @@ async def test_markdown_escapes_raw_html_in_content(stack: Stack) -> None:
         assert html_unescape_text(rendered).count(evil) == 1, path
 
 
+async def test_markdown_keeps_only_web_links_in_content(stack: Stack) -> None:
+    from markdown_it import MarkdownIt
+
+    alice = await stack.register("alice")
+    unsafe = ["[a](javascript:alert(1))", "[b](  JaVaScRiPt:alert(2))", "[c](<javascript:alert(3)>)",
+              "![d](data:text/html;base64,PHNjcmlwdD4=)", "[e](javascript\\:alert(5))", "[f](vbscript:x)",
+              "[g](\njavascript:alert(7))", "[h]\n\n[h]: javascript:alert(8)", "[i](file:///etc/passwd)"]
+    safe = ["[ok](https://example.org/x)", "[rel](/messages)", "[mail](mailto:a@example.org)"]
+    root = await stack.conversation(alice, "links", content="\n\n".join(unsafe + safe))
+    cid, mid = root["conversation"]["id"], root["message"]["id"]
+    # A renderer that checks no link target at all: only the web links may come out as links.
+    renderer = MarkdownIt("commonmark")
+    renderer.validateLink = lambda _url: True
+    for path in (f"/messages/{mid}", f"/conversations/{cid}"):
+        md = await _ok(stack, path, accept=MARKDOWN)
+        targets = [t.attrGet("href") or t.attrGet("src") for block in renderer.parse(md) for t in block.children or []
+                   if t.type in ("link_open", "image")]
+        assert sorted(map(str, targets)) == ["/messages", "https://example.org/x", "mailto:a@example.org"], path
+        for written in ("alert(1)", "alert(2)", "alert(3)", "base64,PHNjcmlwdD4=", "alert(7)", "alert(8)", "passwd"):
+            assert written in md, (path, written)  # shown as text, not dropped
+
+
 def html_unescape_text(rendered: str) -> str:
     """The text of rendered HTML: tags dropped, character references decoded."""
     import html as html_module

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from actors.web.context import NODE
+from infra.http import single_header
 from protocol.agents import hash_credential
 from protocol.errors import PreconditionRequired, Unauthorized
 
@@ -85,7 +86,7 @@ async def authenticate(request: web.Request) -> AuthenticatedAgent:
 
     Also stores the agent on the request under :data:`REQUEST_AGENT_KEY`.
     """
-    header = request.headers.get("Authorization")
+    header = single_header(request, "Authorization")
     if header is None:
         raise Unauthorized("This route needs a credential.", headers=_CHALLENGE)
     match = _BEARER_RE.match(header.strip())

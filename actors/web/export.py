@@ -37,7 +37,7 @@ from actors.reads.corpus import (  # the paths are this module's routes; others 
 from actors.web.context import NODE
 from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.db.pool import connection
-from infra.http import negotiate
+from infra.http import negotiate, single_header
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
@@ -106,7 +106,7 @@ def check_lineage(request: web.Request, corpus_id: str, lineage: str) -> str | N
     echo in links), or None when it came only in the header (or not at all)."""
     given: dict[str, str] = {}
     for source, raw in (("lineage", request.query.get("lineage")),
-                        ("X-Corpus-Lineage", request.headers.get("X-Corpus-Lineage"))):
+                        ("X-Corpus-Lineage", single_header(request, "X-Corpus-Lineage"))):
         if raw is None:
             continue
         try:

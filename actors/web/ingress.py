@@ -27,7 +27,7 @@ from aiohttp import web
 from actors.commands import submit_write
 from actors.web.auth import authenticate
 from actors.web.context import NODE
-from infra.http import read_json
+from infra.http import read_json, single_header
 from infra.ratelimit import KeyedTokenBucket, local_bucket, write_budget
 from protocol import corpus
 from protocol.agents import validate_operation_token
@@ -47,7 +47,7 @@ async def _write(request: web.Request, operation: str, target_kind: str | None =
     # A malformed id is the 400 the read routes answer; a well-formed unknown one the writer's 404.
     target = path_uuid(request.match_info["id"]) if target_kind is not None else None
     body = await read_json(request, allow_empty=allow_empty)
-    token = validate_operation_token(request.headers.get(OPERATION_TOKEN_HEADER))
+    token = validate_operation_token(single_header(request, OPERATION_TOKEN_HEADER))
     result = await submit_write(request.app[NODE], request.app[WRITE_ADMISSION], agent, operation, target,
                                 body, token)
     headers = {REPLAYED_HEADER: "true"} if result.replayed else None

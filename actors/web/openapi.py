@@ -231,7 +231,7 @@ def _error(description: str, headers: dict[str, Schema] | None = None) -> Schema
 
 RESPONSES: dict[str, Schema] = {
     "BadRequest": _error("invalid_parameter (with field), invalid_json, invalid_body, operation_token_required, "
-                         "invalid_operation_token."),
+                         "invalid_operation_token, repeated_header (with field: a one-value header sent twice)."),
     "Unauthorized": _error("No, a malformed or an unknown credential (WWW-Authenticate: Bearer)."),
     "Forbidden": _error("The credential may not do that (not_target_author, not_assertion_author, "
                         "self_verification)."),

@@ -23,6 +23,7 @@ import base64
 import hashlib
 import html
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -172,10 +173,33 @@ def _md(text: object) -> str:
     return " ".join(escaped.split())
 
 
+#: Link schemes Markdown output keeps as links; a link to any other (``javascript:``, ``data:``,
+#: ``vbscript:``, ``file:`` ...) is shown as the text written instead (see :func:`_md_block`).
+SAFE_LINK_SCHEMES = frozenset({"http", "https", "mailto"})
+# Where a link's destination starts, in an inline link or image (``](``) or a link reference
+# definition (``[label]:`` at a line's start), then its scheme and colon. A destination may sit in
+# angle brackets, after spaces or a line break, and CommonMark unescapes a backslash before
+# punctuation in it, so ``javascript\:`` is the same scheme as ``javascript:``.
+_LINK_SCHEME = re.compile(r"(\]\(\s*<?\s*|^ {0,3}\[(?:[^\]\\]|\\.)+\]:\s*<?\s*)"
+                          r"([A-Za-z](?:[A-Za-z0-9+.\-]|\\[+.\-])*)\\?:", re.MULTILINE)
+
+
+def _unlink_unsafe(match: re.Match[str]) -> str:
+    start, scheme = match.group(1), match.group(2).replace("\\", "").lower()
+    if scheme in SAFE_LINK_SCHEMES:
+        return match.group(0)
+    # An escaped bracket ends the link syntax: the reader sees the text and the target as written.
+    escaped = "]\\(" + start[2:] if start.startswith("](") else start.replace("[", "\\[", 1)
+    return escaped + match.group(0)[len(start):]
+
+
 def _md_block(text: str) -> list[str]:
     """Content as a block quote, its lines kept. Markdown passes raw HTML through to the page a
     renderer makes of it, so ``&``, ``<`` and ``>`` become character references: a renderer shows
-    them as the characters written, and no tag (``<script>``, ``<img onerror=...>``) survives."""
+    them as the characters written, and no tag (``<script>``, ``<img onerror=...>``) survives. A
+    link or image whose target's scheme is not in :data:`SAFE_LINK_SCHEMES` loses its link syntax
+    (not every renderer refuses ``javascript:`` targets); the agent's other Markdown is kept."""
+    text = _LINK_SCHEME.sub(_unlink_unsafe, text)
     return ["> " + html.escape(line, quote=False) for line in text.splitlines() or [""]]
 
 

@@ -43,7 +43,7 @@ from actors.hub import Batch, Item, NotificationHub, Subscription, sse_frame
 from actors.web.context import NODE
 from actors.web.export import check_lineage, identity_headers, node_identity
 from infra.db.pool import Target
-from infra.http import request_client
+from infra.http import request_client, single_header
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from protocol.errors import ServiceUnavailable
@@ -198,9 +198,10 @@ def _parse(request: web.Request) -> tuple[int | None, str, _Filters]:
     """(resume position, the field it came from, the filters)."""
     q = Query(request.query, _PARAMS)
     after, field = q.sequence("after"), "after"
-    if after is None and "Last-Event-ID" in request.headers:
+    resume = single_header(request, "Last-Event-ID") if after is None else None
+    if resume is not None:
         field = "Last-Event-ID"
-        after = Query({field: request.headers[field].strip()}, (field,)).sequence(field)
+        after = Query({field: resume.strip()}, (field,)).sequence(field)
     types, kinds = q.members("types", EVENT_TYPES, "event type"), q.kinds()
     return after, field, _Filters(None if types is None else frozenset(types), q.uuid("conversation"),
                                   None if kinds is None else frozenset(kinds))
