@@ -76,11 +76,9 @@ def decode_json_body(raw: bytes) -> object:
     depth, field, has_float, keys = _shape(value)
     if depth > MAX_JSON_DEPTH:
         raise _too_deep(field)
-    # Every key in the body is followed by a colon, so a body with no more colons than keys decoded
-    # has no key twice (nearly every body: one memchr-speed count); only one with more (a colon in
-    # a string, or a repeated key) counts its keys exactly.
-    if raw.count(b":") > keys and _STRING_RE.sub(b"", raw).count(b":") > keys:
-        _refuse_duplicate_keys(raw)
+    repeated = _repeated_key(raw, keys)
+    if repeated is not None:
+        raise duplicate_key(repeated)
     if has_float:
         # Only a body with a non-integer (as orjson read it) can hold a number orjson changed: an
         # integer beyond 64 bits and an underflow both come back as floats. Read it again exactly.
@@ -159,18 +157,30 @@ def _first_repeat(value: object, pointer: str) -> str | None:
     return None
 
 
-def _refuse_duplicate_keys(raw: bytes) -> None:
-    """422 ``duplicate_key`` at the first key an object of ``raw`` names twice (depth already bounded)."""
+def repeated_key(raw: bytes, value: object) -> str | None:
+    """The JSON Pointer of the first key an object of ``raw`` names twice (document order), or None;
+    ``value`` is ``raw`` as orjson decoded it (which keeps the last of two values silently)."""
+    return _repeated_key(raw, _shape(value)[3])
+
+
+def _repeated_key(raw: bytes, keys: int) -> str | None:
+    # Every key in the text is followed by a colon, so a text with no more colons than keys decoded
+    # has no key twice (nearly every body: one memchr-speed count); only one with more (a colon in
+    # a string, or a repeated key) is decoded again, keeping every key.
+    if raw.count(b":") <= keys or _STRING_RE.sub(b"", raw).count(b":") <= keys:
+        return None
     try:
         decoded = json.loads(raw, object_pairs_hook=_pairs)
     except (ValueError, RecursionError, UnicodeDecodeError):
-        return  # read differently by the two parsers: orjson's reading stands
-    pointer = _first_repeat(decoded, "")
-    if pointer is None:
-        return
+        return None  # read differently by the two parsers: orjson's reading stands
+    return _first_repeat(decoded, "")
+
+
+def duplicate_key(pointer: str) -> Unprocessable:
+    """422 ``duplicate_key`` at ``pointer``: a key named twice in one object."""
     shown = pointer[:200]
     extra: dict[str, Any] = {"pointer": shown, "field": pointer.split("/")[1][:_ECHO_CHARS]}
-    raise Unprocessable(
+    return Unprocessable(
         f"The key at {shown} appears twice in the same object; only one of the two values could be kept.",
         code="duplicate_key", extra=extra,
         how_to_proceed="Send each key once per object (merge the values, or use an array).")

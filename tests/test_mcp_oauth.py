@@ -19,6 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import httpx2
+import orjson
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
@@ -495,6 +496,51 @@ async def test_operator_cli_lists_clients_and_grants_and_revokes(front: Front, d
 
 
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
+
+
+async def test_a_tool_call_naming_an_argument_twice_is_refused_as_the_http_api_refuses_it(front: Front) -> None:
+    """The SDK's JSON parser keeps the last of two values silently; the front refuses the call with
+    422 duplicate_key and the pointer into the arguments, on both revisions, before the tool runs."""
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        modern = {**auth, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "whoami"}
+        meta = orjson.dumps(META).decode()
+
+        def call(arguments: str, **headers: str) -> httpx.Response:
+            body = ('{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "whoami", '
+                    f'"arguments": {arguments}, "_meta": {meta}}}}}')
+            return http.post(front.base + "/mcp", content=body.encode(), headers=headers)  # type: ignore[return-value]
+
+        for arguments, pointer in (('{"q": "retry", "q": "timeout"}', "/q"),
+                                   ('{"q": "retry", "kinds": ["claim"], "author": "a", "author": "b"}', "/author")):
+            r = await call(arguments, **modern)
+            assert r.status_code == 200, r.text
+            result = r.json()["result"]
+            error = result["structuredContent"]["error"]
+            assert result["isError"] is True and error["upstream_code"] == "duplicate_key", result
+            assert (error["http_status"], error["pointer"], error["category"]) == (422, pointer, "invalid_argument")
+            assert "timeout" not in r.text  # neither value is echoed
+        # (whoami takes no argument: each would be refused as unknown, after the duplicate.)
+        r = await call('{"q": "retry"}', **modern)
+        assert r.json()["result"]["structuredContent"]["error"]["upstream_code"] == "unknown_argument", r.text
+        r = await call("{}", **modern)
+        assert r.status_code == 200 and r.json()["result"]["isError"] is False, r.text
+        assert r.json()["result"]["structuredContent"]["agent"]["agent_id"]
+        # The 2025-11-25 revision, in a session.
+        legacy = {**auth, "MCP-Protocol-Version": "2025-11-25"}
+        init = await http.post(front.base + "/mcp", json=_INIT, headers=legacy)
+        assert init.status_code == 200, init.text
+        if "mcp-session-id" in init.headers:
+            legacy["Mcp-Session-Id"] = init.headers["mcp-session-id"]
+        r = await http.post(front.base + "/mcp", headers=legacy, content=b'{"jsonrpc": "2.0", "id": 8, '
+                            b'"method": "tools/call", "params": {"name": "whoami", "arguments": '
+                            b'{"limit": 5, "q": "x", "limit": 6}}}')
+        assert r.status_code == 200, r.text
+        text = r.text if r.headers["content-type"].startswith("application/json") else \
+            next(line[5:] for line in r.text.splitlines() if line.startswith("data:"))
+        error = orjson.loads(text)["result"]["structuredContent"]["error"]
+        assert (error["upstream_code"], error["pointer"]) == ("duplicate_key", "/limit"), error
 
 
 async def test_both_protocol_revisions_on_one_endpoint(front: Front) -> None:

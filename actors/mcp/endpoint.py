@@ -10,7 +10,10 @@ used to be five nested middlewares and a second Starlette app:
    (the session manager ties a 2025-11-25 session to its credential) and the SDK's auth context
    variable (``get_access_token()``, read by :func:`actors.mcp.grants.current_grant`);
 3. the scope gate: a ``tools/call`` for a tool whose declared scope the token lacks gets 403
-   ``insufficient_scope`` (naming the scope), the tool never runs;
+   ``insufficient_scope`` (naming the scope), the tool never runs; and the duplicate-key check: the
+   SDK's JSON parser keeps the last of a key named twice, so the first repeated key of a
+   ``tools/call`` is found here, in the request's own bytes, and handed to the tool call as
+   :data:`REPEATED_KEY` (the call is refused with 422 ``duplicate_key``, as the HTTP API refuses it);
 4. ``Server: ToastMachine`` and ``Cache-Control: no-store`` on every answer;
 5. a 2025-11-25 session's GET stream answered: ``stream_opened(session_id)`` (so that notifications
    held while the session had no stream are sent now: :class:`actors.mcp.notify.LegacySubscriptions`);
@@ -25,12 +28,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from typing import Any
 
 import orjson
 from mcp.server.auth.middleware.auth_context import auth_context_var
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, BearerAuthBackend
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from protocol.validation import repeated_key
 
 #: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
 GATE_MAX_BYTES = 4 * 1024 * 1024
@@ -41,6 +48,13 @@ SERVER_HEADER = (b"server", b"ToastMachine")
 _MCP_HEADERS = (SERVER_HEADER, (b"cache-control", b"no-store"))
 
 Headers = tuple[tuple[bytes, bytes], ...]
+
+#: The JSON Pointer of the first key the current ``tools/call`` request names twice in one object
+#: (relative to its ``arguments`` when it is in them), or None. Set by :class:`McpEndpoint` for
+#: the request; the SDK hands the sender's context variables to the call it dispatches, as it
+#: hands on its own auth context.
+REPEATED_KEY: ContextVar[str | None] = ContextVar("toastmachine_mcp_repeated_key", default=None)
+_ARGUMENTS = "/params/arguments"
 
 
 def setting_headers(send: Send, headers: Headers) -> Send:
@@ -107,39 +121,39 @@ class McpEndpoint:
         assert isinstance(user, AuthenticatedUser)
         scope["auth"], scope["user"] = credentials, user
 
+        repeated = None
         if scope["method"] == "POST":
             body, more = await _read_body(receive)
-            missing = None if more else self._missing_scope(body, set(credentials.scopes))
+            calls = [] if more else _tool_calls(body)
+            missing = self._missing_scope(calls, set(credentials.scopes))
             if missing is not None:
                 await self._refuse(sending, 403, "insufficient_scope", f"Required scope: {missing}", missing)
                 return
+            if calls:
+                repeated = _repeated_in_call(body, calls)
             receive = _replay(body, more, receive)
         elif scope["method"] == "GET" and self.stream_opened is not None:
             session_id = HTTPConnection(scope).headers.get("mcp-session-id")
             if session_id:
                 sending = _on_event_stream(sending, session_id, self.stream_opened)
 
-        context = auth_context_var.set(user)
+        context, repeated_context = auth_context_var.set(user), REPEATED_KEY.set(repeated)
         try:
             await self.handler(scope, receive, sending)
         finally:
+            REPEATED_KEY.reset(repeated_context)
             auth_context_var.reset(context)
 
-    def _missing_scope(self, body: bytes, granted: set[str]) -> str | None:
-        """The scope a ``tools/call`` in ``body`` needs and ``granted`` lacks; None when nothing is missing."""
-        try:
-            decoded = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None  # the transport answers the parse error
-        calls = decoded if isinstance(decoded, list) else [decoded]
+    def _missing_scope(self, calls: list[dict[str, Any]], granted: set[str]) -> str | None:
+        """The scope one of the ``tools/call`` messages ``calls`` needs and ``granted`` lacks; None
+        when nothing is missing."""
         needed = self.scopes()
         for call in calls:
-            if isinstance(call, dict) and call.get("method") == "tools/call":
-                params = call.get("params")
-                name = params.get("name") if isinstance(params, dict) else None
-                want = needed.get(name) if isinstance(name, str) else None
-                if want is not None and want not in granted:
-                    return want
+            params = call.get("params")
+            name = params.get("name") if isinstance(params, dict) else None
+            want = needed.get(name) if isinstance(name, str) else None
+            if want is not None and want not in granted:
+                return want
         return None
 
     async def _refuse(self, send: Send, status: int, error: str, description: str, scope: str, *,
@@ -154,6 +168,28 @@ class McpEndpoint:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", header.encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _tool_calls(body: bytes) -> list[dict[str, Any]]:
+    """The ``tools/call`` messages of a request body (a message or a batch of them); none when the
+    body is not JSON (the transport answers the parse error)."""
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return []
+    messages = decoded if isinstance(decoded, list) else [decoded]
+    return [m for m in messages if isinstance(m, dict) and m.get("method") == "tools/call"]
+
+
+def _repeated_in_call(body: bytes, calls: list[dict[str, Any]]) -> str | None:
+    """:data:`REPEATED_KEY`'s value for a request of one ``tools/call`` (a batch is left to the SDK,
+    which the revisions served here do not accept)."""
+    if len(calls) != 1 or body.lstrip()[:1] == b"[":
+        return None
+    pointer = repeated_key(body, calls[0])
+    if pointer is not None and pointer.startswith(_ARGUMENTS + "/"):
+        return pointer.removeprefix(_ARGUMENTS)
+    return pointer
 
 
 def _on_event_stream(send: Send, session_id: str, opened: Callable[[str], None]) -> Send:
