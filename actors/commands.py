@@ -127,7 +127,7 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
         log.error("ingress.foreign_reply", operation=operation, reason=refusal)
         raise ServiceUnavailable(
             "The write was answered by a corpus writer of another corpus or history; its outcome here is unknown.",
-            code="lineage_unavailable",
+            code="lineage_unavailable", outcome_unknown=True,
             how_to_proceed="Retry the identical request with the same Operation-Token later; the operator must "
                            "give every process of this node the same corpus identity.")
     if isinstance(message, WriteResult):
@@ -139,7 +139,8 @@ async def submit_write(node: WriteNode, admission: KeyedTokenBucket, author: Aut
                        how_to_proceed=message.how_to_proceed, extra=message.extra,
                        headers=_retry_after(message))
     raise ServiceUnavailable("The writer answered with something unexpected; the outcome is unknown.",
-                             how_to_proceed="Retry the identical request with the same Operation-Token.")
+                             how_to_proceed="Retry the identical request with the same Operation-Token.",
+                             outcome_unknown=True)
 
 
 async def _recorded(db: Database, agent_id: str, operation: str, token: str) -> bool:

@@ -19,19 +19,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from infra.client_address import Address, TrustedProxies, client_address
-from infra.db.pool import UNAVAILABLE_ERRORS as DB_UNAVAILABLE_ERRORS
 from infra.logs import bound_trace, get_logger
 from infra.metrics import Metrics
+from infra.outages import DB_UNAVAILABLE_ERRORS, unavailable
 from protocol.errors import (
     ApiError,
     BadRequest,
-    BusUnavailable,
     InternalError,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     ReadTimeout,
-    ServiceUnavailable,
     UnsupportedMediaType,
 )
 from protocol.validation import decode_json_body
@@ -144,20 +142,17 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
                 if e.status < 400:  # redirects and the like are not errors
                     raise
                 response = error_response(_from_http_exception(e))
-            except DB_UNAVAILABLE_ERRORS as e:
-                # PostgreSQL stopped, restarting or unreachable: a 503 the client can retry, not a 500.
-                log.warning("http.database_unavailable", error=repr(e))
-                response = error_response(ServiceUnavailable(
-                    "The database is unavailable.",
-                    how_to_proceed="Retry in a few seconds; nothing was changed by this request."))
-            except BusUnavailable:
-                log.warning("http.bus_unavailable")
-                response = error_response(ServiceUnavailable(
-                    "The message bus is unavailable.",
-                    how_to_proceed="Retry in a few seconds; nothing was changed by this request."))
-            except Exception:
-                log.exception("http.unhandled_error")
-                response = error_response(InternalError())
+            except Exception as e:
+                # PostgreSQL stopped, restarting or unreachable, or the broker: a 503 the client can
+                # retry, not a 500.
+                outage = unavailable(e)
+                if outage is not None:
+                    log.warning("http.database_unavailable" if isinstance(e, DB_UNAVAILABLE_ERRORS)
+                                else "http.bus_unavailable", error=repr(e))
+                    response = error_response(outage)
+                else:
+                    log.exception("http.unhandled_error")
+                    response = error_response(InternalError())
             record(response.status)  # (its X-Trace-Id is set as it is prepared: trace_header)
             return response
 

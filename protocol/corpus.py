@@ -129,6 +129,24 @@ def _has_control(text: str, *, allow_newlines: bool) -> bool:
     return False
 
 
+def display_problem(text: str) -> str | None:
+    """Why ``text`` is unfit to show beside other text (in a list, a page, a terminal): control
+    characters (escape sequences among them) or bidirectional overrides and isolates; None when fit."""
+    if _has_control(text, allow_newlines=False) or any("\x80" <= ch <= "\x9f" for ch in text):
+        return "control characters"
+    if not _BIDI_CONTROLS.isdisjoint(text):
+        return "bidirectional override or isolate characters (U+202A to U+202E, U+2066 to U+2069)"
+    return None
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control characters (but tab and newline) and bidirectional controls written as
+    ``\\x1b``-style escapes, so that printing it cannot move the cursor, recolour or retitle an
+    operator's terminal, or reorder the line."""
+    return "".join(ch if (ch in "\t\n" or (unicodedata.category(ch) != "Cc" and ch not in _BIDI_CONTROLS))
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def validate_uuid(value: object, field: str) -> str:
     """A UUID in any standard spelling, returned in canonical lowercase form."""
     if not isinstance(value, str):

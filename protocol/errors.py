@@ -14,6 +14,10 @@ from typing import Any
 QUOTE_LIMIT = 64
 #: Most pieces of client input (e.g. unknown field names) one error lists.
 LIST_LIMIT = 10
+#: Error codes that say a write may have taken effect (the client cannot tell): a 504 no writer
+#: answered in time, and the writer's lost database connection (it may drop during COMMIT). They
+#: cross the bus as codes, so the code is what carries it.
+OUTCOME_UNKNOWN_CODES = frozenset({"outcome_unknown", "database_unavailable"})
 
 
 def clip(value: object, limit: int = QUOTE_LIMIT) -> str:
@@ -94,7 +98,11 @@ class ApiError(ToastMachineError):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
+        outcome_unknown: bool = False,
     ) -> None:
+        """``outcome_unknown``: a write this refuses may still have taken effect (also true of every
+        code in :data:`OUTCOME_UNKNOWN_CODES`): the client must retry with the same token, not a new one."""
+        self._outcome_unknown = outcome_unknown
         if message is not None:
             self.message = message
         if how_to_proceed is not None:
@@ -106,6 +114,11 @@ class ApiError(ToastMachineError):
         self.headers = dict(headers or {})
         self.extra = dict(extra or {})
         super().__init__(self.message)
+
+    @property
+    def outcome_unknown(self) -> bool:
+        """Whether the write this refuses may have taken effect (see ``__init__``)."""
+        return self._outcome_unknown or self.code in OUTCOME_UNKNOWN_CODES
 
     def envelope(self) -> dict[str, Any]:
         """The public JSON body of this error."""

@@ -61,9 +61,14 @@ def _too_deep(field: str | None) -> Unprocessable:
         how_to_proceed=f"Flatten the data to at most {MAX_JSON_DEPTH} levels and send it again.")
 
 
-def decode_json_body(raw: bytes) -> object:
+def decode_json_body(raw: bytes, *, within: str = "") -> object:
     """``raw`` as a JSON value: 400 ``invalid_json`` if it is not JSON, 422 ``json_too_deep`` over
-    :data:`MAX_JSON_DEPTH` levels, 422 ``number_not_exact`` for a number that cannot be stored exactly."""
+    :data:`MAX_JSON_DEPTH` levels, 422 ``number_not_exact`` for a number that cannot be stored
+    exactly, 422 ``duplicate_key`` for a key named twice in one object.
+
+    ``within``: a JSON Pointer the client's own data sits under (an MCP call's
+    ``/params/arguments``); the pointers of errors inside it are given relative to it.
+    """
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -71,18 +76,18 @@ def decode_json_body(raw: bytes) -> object:
         # beyond a double's range. Say which rule was broken rather than "not valid JSON".
         if _bracket_depth(raw) > MAX_JSON_DEPTH:
             raise _too_deep(None) from None
-        _refuse_inexact_numbers(raw)
+        _refuse_inexact_numbers(raw, within)
         raise _invalid_json() from None
     depth, field, has_float, keys = _shape(value)
     if depth > MAX_JSON_DEPTH:
         raise _too_deep(field)
     repeated = _repeated_key(raw, keys)
     if repeated is not None:
-        raise duplicate_key(repeated)
+        raise duplicate_key(_relative(repeated, within))
     if has_float:
         # Only a body with a non-integer (as orjson read it) can hold a number orjson changed: an
         # integer beyond 64 bits and an underflow both come back as floats. Read it again exactly.
-        _refuse_inexact_numbers(raw)
+        _refuse_inexact_numbers(raw, within)
     return value
 
 
@@ -157,12 +162,6 @@ def _first_repeat(value: object, pointer: str) -> str | None:
     return None
 
 
-def repeated_key(raw: bytes, value: object) -> str | None:
-    """The JSON Pointer of the first key an object of ``raw`` names twice (document order), or None;
-    ``value`` is ``raw`` as orjson decoded it (which keeps the last of two values silently)."""
-    return _repeated_key(raw, _shape(value)[3])
-
-
 def _repeated_key(raw: bytes, keys: int) -> str | None:
     # Every key in the text is followed by a colon, so a text with no more colons than keys decoded
     # has no key twice (nearly every body: one memchr-speed count); only one with more (a colon in
@@ -204,7 +203,12 @@ class _IntLiteral(str):
     """An integer exactly as written (kept as text: Python refuses to convert very long ones)."""
 
 
-def _refuse_inexact_numbers(raw: bytes) -> None:
+def _relative(pointer: str, within: str) -> str:
+    """``pointer`` relative to ``within`` when it is inside it (else as it is)."""
+    return pointer[len(within):] if within and pointer.startswith(within + "/") else pointer
+
+
+def _refuse_inexact_numbers(raw: bytes, within: str = "") -> None:
     """422 ``number_not_exact`` at the first number (in document order) its stored form would change."""
 
     def reject_constant(name: str) -> None:
@@ -217,6 +221,7 @@ def _refuse_inexact_numbers(raw: bytes) -> None:
     for pointer, number in _numbers(exact, ""):
         reason = _inexact(number)
         if reason is not None:
+            pointer = _relative(pointer, within)
             field = pointer.split("/")[1] if pointer else None
             shown = str(number)
             if len(shown) > _ECHO_CHARS:

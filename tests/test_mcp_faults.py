@@ -171,3 +171,78 @@ async def test_mcp_killed_mid_write_then_restarted_retry_has_one_effect_and_gran
     for proc in running:
         assert proc.proc.returncode in (0, -signal.SIGKILL), "\n".join(proc.output)
     assert sum(proc.proc.returncode == -signal.SIGKILL for proc in running) == 1
+
+
+async def test_the_mcp_front_answers_503_while_its_broker_or_database_is_away(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """Real outages (forwarders in front of RabbitMQ and PostgreSQL, cut and restored): a write
+    while the broker is away and a token check, a token refresh and a registration while the
+    database is away are each a 503 to retry, as over HTTP, never a 500; and no traceback is logged."""
+    from urllib.parse import urlsplit
+
+    from tests.tcp_proxy import TcpProxy
+
+    amqp, pg = urlsplit(rabbitmq_url), urlsplit(database_url)
+    amqp_proxy, pg_proxy = TcpProxy(amqp.hostname or "127.0.0.1", amqp.port or 5672), \
+        TcpProxy(pg.hostname or "127.0.0.1", pg.port or 5432)
+    await amqp_proxy.up()
+    await pg_proxy.up()
+    port = procs.free_port()
+    via_amqp = rabbitmq_url.replace(amqp.netloc, f"{amqp.netloc.rpartition('@')[0]}@127.0.0.1:{amqp_proxy.port}")
+    via_pg = database_url.replace(pg.netloc, f"{pg.netloc.rpartition('@')[0]}@127.0.0.1:{pg_proxy.port}"
+                                  if "@" in pg.netloc else f"127.0.0.1:{pg_proxy.port}")
+    base_env = {"TOASTMACHINE_DATA_DIR": str(tmp_path), "TOASTMACHINE_AMQP_URL": rabbitmq_url,
+                    "TOASTMACHINE_DATABASE_URL": database_url, "TOASTMACHINE_MCP_PORT": str(port),
+                    "TOASTMACHINE_COMMAND_TIMEOUT": "8"}
+    writer = await procs.start("run", "writer", env=procs.clean_env(**base_env))
+    mcp = await procs.start("mcp", env=procs.clean_env(**{**base_env, "TOASTMACHINE_AMQP_URL": via_amqp,
+                                                          "TOASTMACHINE_DATABASE_URL": via_pg}))
+    db = await asyncpg.connect(database_url)
+    try:
+        await writer.wait_for_line(WRITER_STARTED, timeout=WAIT)
+        await mcp.wait_for_line(MCP_STARTED, timeout=WAIT)
+        mcp_url = f"http://127.0.0.1:{port}/mcp"
+        base = mcp_url.removesuffix("/mcp")
+        async with httpx.AsyncClient(timeout=60) as http:
+            client_id, tokens = await _tokens(http, base, scope="toastmachine:read toastmachine:write")
+            _, unused = await _tokens(http, base)  # never used: its first check needs the database
+            token = await _onboard_and_get_token(mcp_url, tokens["access_token"])
+            subject = f"while the broker is away {uuid.uuid4().hex[:8]}"
+
+            await amqp_proxy.down()
+            result = await _call(http, mcp_url, tokens["access_token"], "create_conversation",
+                                 {"subject": subject, "content": "c", "operation_token": token}, timeout=60)
+            error = result["structuredContent"]["error"]
+            assert result["isError"] and (error["http_status"], error["category"]) == (503, "unavailable"), error
+            assert error["retryable"] is True and error["upstream_code"] == "service_unavailable", error
+            await amqp_proxy.up()
+            assert await db.fetchval("select count(*) from conversations where subject = $1", subject) == 0
+
+            await pg_proxy.down()
+            headers = {**_MCP_HEADERS, "Authorization": f"Bearer {unused['access_token']}",
+                       "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "whoami"}
+            r = await http.post(mcp_url, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                                                "params": {"name": "whoami", "arguments": {},
+                                                                           "_meta": META}})
+            assert r.status_code == 503 and r.json()["error"] == "temporarily_unavailable", r.text
+            assert r.headers["retry-after"] == "5"
+            r = await _refresh(http, base, client_id, tokens["refresh_token"])
+            assert r.status_code == 503 and r.json()["error"] == "temporarily_unavailable", r.text
+            r = await http.post(base + "/register", json={"redirect_uris": ["http://127.0.0.1/cb"]})
+            assert r.status_code == 503, r.text
+            await pg_proxy.up()
+
+            async def answers() -> bool:
+                r = await http.post(mcp_url, headers=headers, json={
+                    "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                    "params": {"name": "whoami", "arguments": {}, "_meta": META}})
+                return r.status_code == 200
+
+            await until(answers, "the MCP front to answer again once its database is back")
+    finally:
+        await db.close()
+        for proc in (mcp, writer):
+            await proc.stop()
+        await amqp_proxy.down()
+        await pg_proxy.down()
+    assert not procs.unexpected_tracebacks(mcp.output), "\n".join(mcp.output)

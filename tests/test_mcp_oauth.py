@@ -475,6 +475,36 @@ async def _cli(dsn: str, *args: str) -> tuple[int, str]:
     return code, "\n".join(proc.output)
 
 
+async def test_nul_and_control_characters_in_oauth_input_are_refused_not_a_500(front: Front, database_dsn: str) -> None:
+    async with httpx.AsyncClient() as http:
+        before = await front.db.pool.fetchval("select count(*) from oauth_clients")
+        for name in ("\u0000", "\x1b[31mRED\x1b[0m\x1b]0;pwned\x07 ok", "look \u202egnp.exe", "a\u0085b"):
+            r = await http.post(front.base + "/register", json={"redirect_uris": ["http://127.0.0.1/cb"],
+                                                                 "client_name": name})
+            assert r.status_code == 400 and r.json()["error"] == "invalid_client_metadata", (name, r.text)
+        assert await front.db.pool.fetchval("select count(*) from oauth_clients") == before
+        # An unknown (and unstorable) client id is an unknown client, never a 500.
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, "\x00", challenge)
+        assert r.status_code == 400 and "error" in r.json(), r.text
+        for path in ("/token", "/revoke"):
+            r = await http.post(front.base + path, data={"client_id": "\x00", "grant_type": "authorization_code",
+                                                         "code": "x", "token": "x"})
+            assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+        # A state the node cannot keep is the client's error, sent back as one.
+        client = await _register(http, front.base)
+        r = await _authorize(http, front.base, client["client_id"], challenge, state="a\x00b")
+        assert r.status_code == 302, r.text
+        assert parse_qs(urlsplit(r.headers["location"]).query)["error"] == ["invalid_request"], r.headers["location"]
+        # A name stored before these checks reaches the operator's terminal as escapes, not as control codes.
+        await front.db.pool.execute("update oauth_clients set metadata = jsonb_set(metadata, '{client_name}', "
+                                    "to_jsonb($2::text)) where client_id = $1", client["client_id"],
+                                    "\x1b]0;pwned\x07\u202eevil")
+        code, out = await _cli(database_dsn, "oauth", "clients", "list")
+        assert code == 0 and "\\x1b]0;pwned\\x07\\u202eevil" in out, out
+        assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+
+
 async def test_operator_cli_lists_clients_and_grants_and_revokes(front: Front, database_dsn: str) -> None:
     async with httpx.AsyncClient() as http:
         client_id, tokens = await _tokens(http, front.base)

@@ -516,3 +516,22 @@ async def test_a_write_without_a_writer_says_how_to_retry_and_the_retry_has_one_
             await writer.stop(grace=5)
         http = await _get(stack, f"/conversations/{cid}")
         assert [m["content"] for m in http["messages"]] == ["hi", "once"]
+
+
+def test_a_refusal_whose_write_may_have_happened_says_outcome_unknown() -> None:
+    """The writer's lost database (503 database_unavailable, which crosses the bus as a code) and a
+    504 may each have committed: the tool result must say so, or an agent retries with a new token
+    and writes twice. Refusals that changed nothing stay not_applied."""
+    from actors.mcp import results
+    from protocol.errors import ApiError, GatewayTimeout, ServiceUnavailable
+
+    for exc in (ApiError("The database is unavailable; the write's outcome is unknown.", status=503,
+                         code="database_unavailable"),
+                GatewayTimeout(),
+                ServiceUnavailable("The writer answered with something unexpected.", outcome_unknown=True)):
+        error = results.from_api_error(exc).structured_content["error"]  # type: ignore[index]
+        assert (error["outcome"], error["retryable"]) == ("unknown", True), error
+        assert error["recovery_action"] == results.UNKNOWN_OUTCOME_ACTION
+    for exc in (ServiceUnavailable("The message bus is unavailable."),
+                ApiError("No such conversation.", status=404, code="conversation_not_found")):
+        assert results.from_api_error(exc).structured_content["error"]["outcome"] == "not_applied"  # type: ignore[index]

@@ -91,6 +91,8 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
         line = re.sub(r"^export TOASTMACHINE_DATABASE_URL=\S+",
                       f"export TOASTMACHINE_DATABASE_URL={database_url}", line)
         line = re.sub(r"^export TOASTMACHINE_DATA_DIR=\S+", f"export TOASTMACHINE_DATA_DIR={tmp_path}", line)
+        line = re.sub(r"^export TOASTMACHINE_MCP_PUBLIC_URL=http://127.0.0.1:5300\b",
+                      f"export TOASTMACHINE_MCP_PUBLIC_URL=http://127.0.0.1:{port + 300}", line)
         line = re.sub(r"^honcho start\b", f"exec honcho start -p {port}", line)
         script.append(line)
     assert any(line.startswith("exec honcho start") for line in script), script
@@ -106,6 +108,12 @@ async def test_the_scale_out_block_runs_from_a_shell_without_the_venv_on_path(
             await group.wait_for_line(rf"{name}\.1\s+\|.*ToastMachine running {name}", timeout=60)
         status, body = await procs.get_json(url + "/readyz")
         assert status == 200, body
+        # The front door sends AI apps to the MCP front where it really listens.
+        await group.wait_for_line(r"mcp\.1\s+\|.*ToastMachine MCP at", timeout=60)
+        status, front = await procs.get_json(url + "/")
+        assert status == 200 and front["mcp"]["url"] == f"http://127.0.0.1:{port + 300}/mcp", front
+        status, metadata = await procs.get_json(f"http://127.0.0.1:{port + 300}/.well-known/oauth-protected-resource/mcp")
+        assert status == 200 and metadata["resource"] == front["mcp"]["url"], metadata
     finally:
         await group.stop()
     text = "\n".join(group.output)

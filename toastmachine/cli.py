@@ -24,6 +24,7 @@ from infra.bus.base import COMMANDS_EXCHANGE
 from infra.config import Settings, redact_url
 from infra.exclusive import AlreadyInUse
 from infra.logs import configure_logging, get_logger
+from protocol.corpus import terminal_safe
 from protocol.errors import ConfigError, ToastMachineError
 from protocol.messages import ErrorReply, Ping, Pong
 from toastmachine.node import open_database, serve
@@ -32,7 +33,8 @@ log = get_logger("toastmachine.cli")
 
 
 def _print(line: str) -> None:
-    print(line, flush=True)
+    # Lines can quote what clients registered (an OAuth client's name): never raw escape sequences.
+    print(terminal_safe(line), flush=True)
 
 
 def _say(settings: Settings, event: str, line: str) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import asyncpg
 from mcp.server.auth.handlers.authorize import AuthorizationHandler
 from mcp.server.auth.handlers.metadata import MetadataHandler, ProtectedResourceMetadataHandler
 from mcp.server.auth.handlers.register import RegistrationHandler
@@ -70,6 +71,8 @@ from actors.mcp.token_cache import TokenCache, following
 from actors.reads import rows
 from infra.config import Settings
 from infra.db.pool import Database
+from infra.logs import get_logger
+from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
 from infra.ratelimit import registration_budget
 
 #: The server instructions the MCP front announces (both protocol revisions).
@@ -211,9 +214,37 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
             yield
 
     rest = Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(SetHeaders, headers=(SERVER_HEADER,))])
+                     middleware=[Middleware(SetHeaders, headers=(SERVER_HEADER,))],
+                     exception_handlers=_OAUTH_EXCEPTION_HANDLERS)
     rest.state.token_cache = tokens
     return _Front(mcp_endpoint, rest)
+
+
+log = get_logger("toastmachine.mcp")
+
+
+async def _database_unavailable(_request: Request, exc: Exception) -> Response:
+    log.warning("mcp.database_unavailable", error=repr(exc))
+    return JSONResponse({"error": "temporarily_unavailable",
+                         "error_description": "The database is unavailable; retry in a few seconds."},
+                        status_code=503, headers={"Retry-After": str(RETRY_AFTER)})
+
+
+async def _unstorable(_request: Request, exc: Exception) -> Response:
+    # A value PostgreSQL refuses to hold (a NUL character, text it cannot encode): the client's
+    # mistake, answered without the value or the database's wording.
+    log.info("mcp.unstorable_parameter", error=type(exc).__name__)
+    return JSONResponse({"error": "invalid_request",
+                         "error_description": "A parameter holds a character that cannot be stored (such as NUL)."},
+                        status_code=400)
+
+
+#: The OAuth routes' answers to a database outage (503, as every front answers it) and to a value
+#: the database cannot store (400), instead of Starlette's plain-text 500 and a logged traceback.
+_OAUTH_EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    **{error: _database_unavailable for error in DB_UNAVAILABLE_ERRORS},
+    asyncpg.exceptions.DataError: _unstorable,
+}
 
 
 class _Front:

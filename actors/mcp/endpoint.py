@@ -10,10 +10,12 @@ used to be five nested middlewares and a second Starlette app:
    (the session manager ties a 2025-11-25 session to its credential) and the SDK's auth context
    variable (``get_access_token()``, read by :func:`actors.mcp.grants.current_grant`);
 3. the scope gate: a ``tools/call`` for a tool whose declared scope the token lacks gets 403
-   ``insufficient_scope`` (naming the scope), the tool never runs; and the duplicate-key check: the
-   SDK's JSON parser keeps the last of a key named twice, so the first repeated key of a
-   ``tools/call`` is found here, in the request's own bytes, and handed to the tool call as
-   :data:`REPEATED_KEY` (the call is refused with 422 ``duplicate_key``, as the HTTP API refuses it);
+   ``insufficient_scope`` (naming the scope), the tool never runs; and the exact-JSON check: the
+   SDK's parser keeps the last of a key named twice, rounds numbers to doubles and reads ``NaN``,
+   ``Infinity`` and ``1e400`` (stored as null), so a ``tools/call`` is read here as the HTTP API
+   reads a body (:func:`protocol.validation.decode_json_body`, pointers relative to its
+   ``arguments``) and what that refuses is handed to the call as :data:`BODY_REFUSAL`: the tool
+   answers that refusal (``duplicate_key``, ``number_not_exact``, ``invalid_json``) and never runs;
 4. ``Server: ToastMachine`` and ``Cache-Control: no-store`` on every answer;
 5. a 2025-11-25 session's GET stream answered: ``stream_opened(session_id)`` (so that notifications
    held while the session had no stream are sent now: :class:`actors.mcp.notify.LegacySubscriptions`);
@@ -27,6 +29,7 @@ but only behind a barrier that makes a revoked grant stop working at once on eve
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -37,7 +40,10 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, BearerAuth
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from protocol.validation import repeated_key
+from infra.logs import get_logger
+from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
+from protocol.errors import ApiError
+from protocol.validation import decode_json_body
 
 #: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
 GATE_MAX_BYTES = 4 * 1024 * 1024
@@ -49,11 +55,13 @@ _MCP_HEADERS = (SERVER_HEADER, (b"cache-control", b"no-store"))
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
-#: The JSON Pointer of the first key the current ``tools/call`` request names twice in one object
-#: (relative to its ``arguments`` when it is in them), or None. Set by :class:`McpEndpoint` for
-#: the request; the SDK hands the sender's context variables to the call it dispatches, as it
-#: hands on its own auth context.
-REPEATED_KEY: ContextVar[str | None] = ContextVar("toastmachine_mcp_repeated_key", default=None)
+log = get_logger("toastmachine.mcp.endpoint")
+
+#: What the exact-JSON check refuses in the current request, a lone ``tools/call`` (its pointers
+#: relative to the call's ``arguments``), or None. Set by :class:`McpEndpoint` for the request; the
+#: SDK hands the sender's context variables to the call it dispatches, as it hands on its own auth
+#: context.
+BODY_REFUSAL: ContextVar[ApiError | None] = ContextVar("toastmachine_mcp_body_refusal", default=None)
 _ARGUMENTS = "/params/arguments"
 
 
@@ -111,7 +119,12 @@ class McpEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = setting_headers(send, _MCP_HEADERS)
-        authenticated = await self.backend.authenticate(HTTPConnection(scope))
+        try:
+            authenticated = await self.backend.authenticate(HTTPConnection(scope))
+        except DB_UNAVAILABLE_ERRORS as e:  # the token could not be looked up: retry, not a 500
+            log.warning("mcp.database_unavailable", error=repr(e))
+            await send_unavailable(sending)
+            return
         if authenticated is None:
             presented = any(k.lower() == b"authorization" for k, _ in scope.get("headers", ()))
             await self._refuse(sending, 401, "invalid_token", "Authentication required", self.all_scopes,
@@ -121,27 +134,25 @@ class McpEndpoint:
         assert isinstance(user, AuthenticatedUser)
         scope["auth"], scope["user"] = credentials, user
 
-        repeated = None
+        refusal = None
         if scope["method"] == "POST":
             body, more = await _read_body(receive)
-            calls = [] if more else _tool_calls(body)
+            calls, refusal = ([], None) if more else _read_calls(body)
             missing = self._missing_scope(calls, set(credentials.scopes))
             if missing is not None:
                 await self._refuse(sending, 403, "insufficient_scope", f"Required scope: {missing}", missing)
                 return
-            if calls:
-                repeated = _repeated_in_call(body, calls)
             receive = _replay(body, more, receive)
         elif scope["method"] == "GET" and self.stream_opened is not None:
             session_id = HTTPConnection(scope).headers.get("mcp-session-id")
             if session_id:
                 sending = _on_event_stream(sending, session_id, self.stream_opened)
 
-        context, repeated_context = auth_context_var.set(user), REPEATED_KEY.set(repeated)
+        context, refusal_context = auth_context_var.set(user), BODY_REFUSAL.set(refusal)
         try:
             await self.handler(scope, receive, sending)
         finally:
-            REPEATED_KEY.reset(repeated_context)
+            BODY_REFUSAL.reset(refusal_context)
             auth_context_var.reset(context)
 
     def _missing_scope(self, calls: list[dict[str, Any]], granted: set[str]) -> str | None:
@@ -170,26 +181,39 @@ class McpEndpoint:
         await send({"type": "http.response.body", "body": body})
 
 
-def _tool_calls(body: bytes) -> list[dict[str, Any]]:
-    """The ``tools/call`` messages of a request body (a message or a batch of them); none when the
-    body is not JSON (the transport answers the parse error)."""
+def _read_calls(body: bytes) -> tuple[list[dict[str, Any]], ApiError | None]:
+    """The ``tools/call`` messages of a request body (a message or a batch of them), and what the
+    exact-JSON check refuses in it when it is one ``tools/call``.
+
+    A body the check refuses is read again leniently (Python's parser: a repeated key's last value,
+    NaN, numbers of any size), as the SDK will read it, so that the scope gate still sees its calls.
+    A nesting refusal is left to the tool, which bounds its arguments as the HTTP API bounds a body
+    (the JSON-RPC envelope adds levels of its own). A body no parser reads is the SDK's -32700.
+    """
     try:
-        decoded = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return []
+        decoded: Any = decode_json_body(body, within=_ARGUMENTS)
+        refusal = None
+    except ApiError as e:
+        refusal = None if e.code == "json_too_deep" else e
+        try:
+            decoded = json.loads(body)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            return [], None
     messages = decoded if isinstance(decoded, list) else [decoded]
-    return [m for m in messages if isinstance(m, dict) and m.get("method") == "tools/call"]
+    calls = [m for m in messages if isinstance(m, dict) and m.get("method") == "tools/call"]
+    if isinstance(decoded, list) or len(calls) != 1:
+        refusal = None  # a batch (which the revisions served here do not accept) is the SDK's to answer
+    return calls, refusal
 
 
-def _repeated_in_call(body: bytes, calls: list[dict[str, Any]]) -> str | None:
-    """:data:`REPEATED_KEY`'s value for a request of one ``tools/call`` (a batch is left to the SDK,
-    which the revisions served here do not accept)."""
-    if len(calls) != 1 or body.lstrip()[:1] == b"[":
-        return None
-    pointer = repeated_key(body, calls[0])
-    if pointer is not None and pointer.startswith(_ARGUMENTS + "/"):
-        return pointer.removeprefix(_ARGUMENTS)
-    return pointer
+async def send_unavailable(send: Send) -> None:
+    """Answer 503 ``temporarily_unavailable`` (JSON, ``Retry-After``): the database is down."""
+    body = orjson.dumps({"error": "temporarily_unavailable",
+                         "error_description": "The database is unavailable; retry in a few seconds."})
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(RETRY_AFTER).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _on_event_stream(send: Send, session_id: str, opened: Callable[[str], None]) -> Send:

@@ -68,6 +68,7 @@ from actors.mcp.client_documents import (
 from actors.mcp.token_cache import TokenCache
 from infra.db.pool import Database
 from infra.logs import get_logger
+from protocol.corpus import display_problem
 
 log = get_logger("toastmachine.mcp.oauth")
 #: An S256 PKCE challenge: the unpadded base64url of a SHA-256 digest (RFC 7636 §4.2).
@@ -182,6 +183,13 @@ def client_problem(client_info: OAuthClientInformationFull) -> tuple[Registratio
         return "invalid_client_metadata", "grant_types may only be authorization_code and refresh_token"
     if client_info.client_name is not None and len(client_info.client_name) > _MAX_CLIENT_NAME_CHARS:
         return "invalid_client_metadata", "client_name is longer than 200 characters"
+    # Metadata is shown on the consent page and by the operator's CLI: nothing that can drive a
+    # terminal, reorder the text around it, or that the database cannot store (NUL).
+    for name, value in client_info.model_dump(mode="json", exclude_none=True).items():
+        for text in value if isinstance(value, list) else [value]:
+            problem = display_problem(text) if isinstance(text, str) else None
+            if problem is not None:
+                return "invalid_client_metadata", f"{name} must not contain {problem}"
     return None
 
 
@@ -293,8 +301,8 @@ class OAuthStore:
     # -- clients --
 
     async def get_client(self, client_id: str) -> RegisteredClient | None:
-        if len(client_id) > 200:
-            return None
+        if len(client_id) > 200 or display_problem(client_id) is not None:
+            return None  # (a NUL could not even be looked up: PostgreSQL text holds none)
         if is_document_client_id(client_id):
             return await self._document_client(client_id, first_fetch=False)
         row = await self.db.pool.fetchrow(
@@ -412,6 +420,8 @@ class OAuthStore:
         if not _S256_CHALLENGE.fullmatch(params.code_challenge):
             raise AuthorizeError("invalid_request", "code_challenge must be an S256 challenge (43 base64url "
                                  "characters): PKCE S256 only, plain is refused")
+        if "\x00" in (params.state or ""):  # kept (in jsonb) to be sent back: PostgreSQL holds no NUL
+            raise AuthorizeError("invalid_request", "state must not contain NUL characters")
         resource = self.canonical_resource(params.resource)
         scopes = list(dict.fromkeys(params.scopes or DEFAULT_SCOPES))
         if not scopes or not set(scopes) <= set(SCOPES):

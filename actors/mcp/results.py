@@ -68,7 +68,7 @@ def from_api_error(exc: ApiError) -> CallToolResult:
     category = _CATEGORIES.get(exc.status, "invalid_argument" if exc.status < 500 else "unavailable")
     if exc.code == "onboarding_required":
         category = "onboarding_required"
-    unknown = exc.status == 504
+    unknown = exc.outcome_unknown
     return failure(category, exc.message, retryable=category in _RETRYABLE,
                    outcome="unknown" if unknown else "not_applied",
                    recovery_action=UNKNOWN_OUTCOME_ACTION if unknown else exc.how_to_proceed,

@@ -31,8 +31,7 @@ from mcp_types import CallToolResult, InputRequiredResult
 from pydantic import ValidationError
 
 from actors.mcp import results
-from actors.mcp.endpoint import REPEATED_KEY
-from protocol.validation import duplicate_key
+from actors.mcp.endpoint import BODY_REFUSAL
 
 #: The SDK's built-in tracing middleware (class name; its module is private).
 _SDK_TRACING_MIDDLEWARE = "OpenTelemetryMiddleware"
@@ -69,9 +68,9 @@ class ToastMachineServer(MCPServer):
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None,
                         ) -> CallToolResult | InputRequiredResult:
-        repeated = REPEATED_KEY.get()
-        if repeated is not None:  # the SDK's parser kept one of the two values: which one was meant?
-            return results.from_api_error(duplicate_key(repeated))
+        refusal = BODY_REFUSAL.get()
+        if refusal is not None:  # the SDK's reading of the request changed what the client sent
+            return results.from_api_error(refusal)
         # The SDK's own registry (MCPServer has no public lookup by name; list_tools builds every schema).
         tool = self._tool_manager.get_tool(name)
         if tool is None:

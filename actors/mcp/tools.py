@@ -45,6 +45,7 @@ from infra.bus.base import Bus
 from infra.config import Settings
 from infra.db import CorpusIdentity, Database
 from infra.logs import get_logger
+from infra.outages import unavailable
 from infra.ratelimit import KeyedTokenBucket, local_bucket, write_budget
 from protocol import corpus
 from protocol.corpus import KINDS, RELATIONSHIP_TYPES
@@ -207,8 +208,12 @@ class _Tools:
             return results.success(await work(grant))
         except ApiError as exc:
             return results.from_api_error(exc)
-        except Exception:  # any other failure is a fixed-text result; the details go to the log
-            log.exception("mcp.tool_failed")
+        except Exception as exc:
+            outage = unavailable(exc)  # the database or the broker down: a 503 to retry, as over HTTP
+            if outage is not None:
+                log.warning("mcp.unavailable", error=repr(exc))
+                return results.from_api_error(outage)
+            log.exception("mcp.tool_failed")  # any other failure is a fixed-text result; details go to the log
             return results.internal()
 
     def identity(self) -> tuple[str, str]:
