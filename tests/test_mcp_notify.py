@@ -468,3 +468,68 @@ async def test_a_notification_before_the_get_stream_opens_is_sent_when_it_opens(
         async with asyncio.timeout(20):
             await task
         await legacy.close()
+
+
+async def test_one_agent_cannot_take_every_subscription_place(db: Database) -> None:
+    """Subscribed 2025-11-25 sessions and open listen streams are bounded per agent (of the
+    node's whole bound): past its share an agent is refused, and another agent still subscribes."""
+    bus = InMemorySubscriptionBus()
+    legacy = LegacySubscriptions(bus, current_grant, per_agent=2)
+    listen = ScopedListen(bus, current_grant, per_agent=1)
+
+    def register(server: MCPServer, deps: ToolDeps) -> None:
+        register_minimal_tools(server, deps)
+        register_subscriptions(server, listen, legacy)
+
+    port = _free_port()
+    app = build_app(Settings(mcp_host="127.0.0.1", mcp_port=port), db, tools=register, subscriptions=bus,
+                    stream_opened=legacy.stream_opened)
+    server = make_server(app, host="127.0.0.1", port=port)
+    legacy.start()
+    task = asyncio.create_task(server.serve())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            assert not task.done(), "uvicorn stopped while starting"
+            await asyncio.sleep(0.02)  # uvicorn reports readiness only through this flag
+        async with httpx.AsyncClient(timeout=30) as http:
+            _, greedy = await _tokens(http, base)
+            _, other = await _tokens(http, base)
+
+            async def subscribe(tokens: dict[str, Any]) -> dict[str, Any]:
+                auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+                r = await http.post(base + "/mcp", json=_INIT, headers=auth)
+                session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+                await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                                headers=session)
+                r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
+                                                         "params": {"uri": CORPUS}}, headers=session)
+                answer: dict[str, Any] = r.json()
+                return answer
+
+            assert "error" not in await subscribe(greedy) and "error" not in await subscribe(greedy)
+            refused = await subscribe(greedy)
+            assert "the most it may hold" in refused["error"]["message"], refused
+            assert "error" not in await subscribe(other)  # another agent is not shut out
+            assert legacy.sessions == 3
+
+            bearer = {"Authorization": f"Bearer {greedy['access_token']}"}
+            async with httpx2.AsyncClient(headers=bearer, timeout=60) as h1, _client(base + "/mcp", h1) as first, \
+                    first.listen(resource_subscriptions=[CORPUS]), \
+                    httpx2.AsyncClient(headers=bearer, timeout=60) as h2, _client(base + "/mcp", h2) as second:
+                with pytest.raises(MCPError) as again:
+                    async with second.listen(resource_subscriptions=[CORPUS]):
+                        pass
+                assert "listen streams open" in str(again.value)
+            # Closed, its place is free again (once the node has seen the stream end).
+            async with asyncio.timeout(20):
+                while listen._open:
+                    await asyncio.sleep(0.02)  # polling the bound's own count, bounded by the timeout
+            async with httpx2.AsyncClient(headers=bearer, timeout=60) as h3, _client(base + "/mcp", h3) as third, \
+                    third.listen(resource_subscriptions=[CORPUS]) as sub:
+                assert sub.honored.resource_subscriptions
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(20):
+            await task
+        await legacy.close()

@@ -663,8 +663,8 @@ async def test_no_secret_is_ever_logged(db: Database, capsys: pytest.CaptureFixt
 
 
 async def test_authorization_requests_are_rate_limited_per_address(db: Database) -> None:
-    async with serve(db, _free_port(), mcp_authorize_per_minute=3) as f, httpx.AsyncClient() as http:
-        client = await _register(http, f.base)
+    async with serve(db, _free_port(), mcp_authorize_per_minute=4) as f, httpx.AsyncClient() as http:
+        client = await _register(http, f.base)  # registrations draw on the same budget
         _, challenge = _pkce()
         for _ in range(3):
             assert (await _authorize(http, f.base, client["client_id"], challenge)).status_code == 302
@@ -673,7 +673,10 @@ async def test_authorization_requests_are_rate_limited_per_address(db: Database)
         r = await _authorize(http, f.base, client["client_id"], challenge)
         assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "rate_limited"
+        r = await http.post(f.base + "/register", json={"redirect_uris": ["http://127.0.0.1/cb"]})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
     assert await db.pool.fetchval("select count(*) from oauth_pending") == 3
+    assert await db.pool.fetchval("select count(*) from oauth_clients") == 1
 
 
 async def test_cleanup_deletes_only_rows_long_expired_in_bounded_batches(front: Front) -> None:

@@ -258,6 +258,17 @@ async def test_paging_rules_and_errors_are_the_http_apis(stack: Stack) -> None:
 #: Arguments of the wrong type (or missing) for a tool of each family, and the argument named.
 _WRONG_TYPES: list[tuple[str, dict[str, Any], str, str]] = [
     ("list_conversations", {"limit": "plenty<script>"}, "limit", "invalid_argument"),
+    # No coercion: what the HTTP API refuses as the wrong type, a tool refuses too.
+    ("list_conversations", {"limit": True}, "limit", "invalid_argument"),
+    ("list_conversations", {"limit": "5"}, "limit", "invalid_argument"),
+    ("get_messages", {"limit": 5.0}, "limit", "invalid_argument"),
+    ("get_changes", {"after": "1"}, "after", "invalid_argument"),
+    ("get_relationships", {"include_retracted": "yes"}, "include_retracted", "invalid_argument"),
+    ("get_relationships", {"include_retracted": 1}, "include_retracted", "invalid_argument"),
+    ("create_conversation", {"subject": "s", "content": "c", "schema_name": "claim", "schema_version": "1",
+                             "operation_token": str(uuid.uuid4())}, "schema_version", "invalid_argument"),
+    ("create_conversation", {"subject": "s", "content": "c", "schema_name": "claim", "schema_version": True,
+                             "operation_token": str(uuid.uuid4())}, "schema_version", "invalid_argument"),
     ("get_conversation", {"conversation_id": 12345}, "conversation_id", "invalid_argument"),
     ("get_conversation", {}, "conversation_id", "missing_argument"),
     ("pull_conversation", {"conversation_id": str(uuid.uuid4()), "max_bytes": [1, 2]}, "max_bytes",

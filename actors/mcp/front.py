@@ -105,8 +105,9 @@ class McpFront(Actor):
         bus = InMemorySubscriptionBus()
         self._notifier = ResourceNotifier(node.notification_hub(), bus, node.db,
                                           guide_poll=settings.mcp_guide_poll)
-        self._listen = ScopedListen(bus, current_grant)
-        self._legacy = LegacySubscriptions(bus, current_grant)
+        per_agent = settings.mcp_subscriptions_per_agent
+        self._listen = ScopedListen(bus, current_grant, per_agent=per_agent)
+        self._legacy = LegacySubscriptions(bus, current_grant, per_agent=per_agent)
 
         def register(server: MCPServer, _: object) -> None:
             register_tools(server, deps)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,10 @@ DEFAULT_MIN_INTERVAL = 1.0
 DEFAULT_GUIDE_POLL = 30.0
 #: Listen streams, and separately subscribed 2025-11-25 sessions, one MCP node serves at once.
 MAX_SUBSCRIBERS = 1024
+#: Of those, what one agent may hold on one node (its subscribed 2025-11-25 sessions, and apart
+#: from them its open listen streams), so that one agent cannot take every place
+#: (``TOASTMACHINE_MCP_SUBSCRIPTIONS_PER_AGENT``).
+PER_AGENT = 32
 #: Events a listen stream may have waiting (at most one per resource per interval arrives).
 LISTEN_BACKLOG = 32
 #: Loop turns :meth:`LegacySubscriptions.stream_opened` waits for the SDK to register a new stream.
@@ -163,10 +168,11 @@ class ResourceNotifier:
 class _Session:
     """One subscribed 2025-11-25 session: its resources, what is pending, and its one sender."""
 
-    __slots__ = ("pending", "sender", "session", "uris")
+    __slots__ = ("agent_id", "pending", "sender", "session", "uris")
 
-    def __init__(self, session: ServerSession) -> None:
+    def __init__(self, session: ServerSession, agent_id: str) -> None:
         self.session = session
+        self.agent_id = agent_id
         self.uris: set[str] = set()
         self.pending: set[str] = set()
         self.sender: asyncio.Task[None] | None = None
@@ -188,12 +194,16 @@ class LegacySubscriptions:
         bus: the MCP server's subscription bus (the same one the listen streams read).
         grant: the caller's grant for the request being handled.
         limit: subscribed sessions at once; past it, ``resources/subscribe`` is refused.
+        per_agent: subscribed sessions of one agent at once (of ``limit``); past it, that agent's
+            ``resources/subscribe`` in a new session is refused.
     """
 
-    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant], *, limit: int = MAX_SUBSCRIBERS) -> None:
+    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant], *, limit: int = MAX_SUBSCRIBERS,
+                 per_agent: int = PER_AGENT) -> None:
         self.bus = bus
         self.grant = grant
         self.limit = limit
+        self.per_agent = per_agent
         self._sessions: dict[str, _Session] = {}
         self._unsubscribe: Callable[[], None] | None = None
         #: Whether the session with this id still exists.
@@ -229,11 +239,19 @@ class LegacySubscriptions:
         key = self._check(ctx, str(params.uri))
         entry = self._sessions.get(key)
         if entry is None:
-            if len(self._sessions) >= self.limit:
+            agent_id = self.grant().agent_id
+
+            def held() -> int:
+                return sum(1 for s in self._sessions.values() if s.agent_id == agent_id)
+
+            if len(self._sessions) >= self.limit or held() >= self.per_agent:
                 self._prune()
+            if held() >= self.per_agent:
+                raise MCPError(INVALID_REQUEST, f"This agent has {self.per_agent} subscribed sessions on this "
+                                                "server, the most it may hold; unsubscribe or end one first.")
             if len(self._sessions) >= self.limit:
                 raise MCPError(INVALID_REQUEST, "This server has as many subscribed sessions as it serves; retry later.")
-            entry = self._sessions[key] = _Session(ctx.session)
+            entry = self._sessions[key] = _Session(ctx.session, agent_id)
         entry.session = ctx.session
         entry.uris.add(str(params.uri))
         return EmptyResult()
@@ -313,14 +331,26 @@ class LegacySubscriptions:
 class ScopedListen:
     """The SDK's ``subscriptions/listen`` handler behind the read-scope check, with our bounds."""
 
-    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant]) -> None:
+    def __init__(self, bus: SubscriptionBus, grant: Callable[[], Grant], *, per_agent: int = PER_AGENT) -> None:
         self.grant = grant
         self.inner = ListenHandler(bus, max_subscriptions=MAX_SUBSCRIBERS, max_buffered_events=LISTEN_BACKLOG)
+        #: Open listen streams of one agent at once; past it, that agent's next listen is refused.
+        self.per_agent = per_agent
+        self._open: Counter[str] = Counter()
 
     async def __call__(self, ctx: ServerRequestContext[Any, Any],
                        params: SubscriptionsListenRequestParams) -> SubscriptionsListenResult:
-        _require_read(self.grant)
-        return await self.inner(ctx, params)
+        agent_id = _require_read(self.grant).agent_id
+        if self._open[agent_id] >= self.per_agent:
+            raise MCPError(INVALID_REQUEST, f"This agent has {self.per_agent} listen streams open on this server, "
+                                            "the most it may hold; close one first.")
+        self._open[agent_id] += 1
+        try:  # the request lasts as long as its stream
+            return await self.inner(ctx, params)
+        finally:
+            self._open[agent_id] -= 1
+            if not self._open[agent_id]:
+                del self._open[agent_id]
 
     def close(self) -> None:
         """End every listen stream gracefully (each sends its final result)."""

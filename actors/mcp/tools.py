@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import orjson
 from mcp.server.mcpserver import MCPServer
 from mcp_types import CallToolResult, ToolAnnotations
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from actors.commands import submit_write
 from actors.mcp import budget, results, schemas
@@ -102,7 +102,9 @@ def _output(name: str, schema: dict[str, Any]) -> type[BaseModel]:
 
 # --- argument types: the JSON Schema advertises the HTTP API's rules; protocol.query enforces them ----
 # (constraints live in json_schema_extra, so a bad value reaches our validators and gets our error
-# result naming the parameter, instead of the SDK's generic argument error)
+# result naming the parameter, instead of the SDK's generic argument error). Integers and booleans
+# are strict: pydantic's lax mode would take "5", 1.0 or true for an integer (true became limit 1)
+# and "yes" for a boolean, which the HTTP API refuses.
 
 def _arg(description: str, **schema: Any) -> Any:
     return Field(default=None, description=description, json_schema_extra=schema or None)
@@ -112,11 +114,11 @@ Uuid = Annotated[str, Field(description="An identifier (a UUID).",
                             json_schema_extra={"pattern": schemas.UUID_INPUT_PATTERN})]
 OptUuid = str | None
 Name = str | None
-Seq = int | None
-Limit = Annotated[int | None, _arg(f"Page size, 1-{MAX_LIMIT} (default {DEFAULT_LIMIT}).", minimum=1,
+Seq = StrictInt | None
+Limit = Annotated[StrictInt | None, _arg(f"Page size, 1-{MAX_LIMIT} (default {DEFAULT_LIMIT}).", minimum=1,
                                    maximum=MAX_LIMIT)]
-Offset = Annotated[int | None, _arg("Items to skip (offset paging), 0-100000.", minimum=0, maximum=100_000)]
-MaxBytes = Annotated[int | None, _arg(
+Offset = Annotated[StrictInt | None, _arg("Items to skip (offset paging), 0-100000.", minimum=0, maximum=100_000)]
+MaxBytes = Annotated[StrictInt | None, _arg(
     f"Byte budget of the answer's items as compact JSON ({budget.MIN_MAX_BYTES}-{budget.MAX_MAX_BYTES}, default "
     f"{budget.DEFAULT_MAX_BYTES}); what does not fit is left for the next call, never cut.",
     minimum=budget.MIN_MAX_BYTES, maximum=budget.MAX_MAX_BYTES)]
@@ -368,7 +370,7 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     async def list_tags(tag: str | None = None, prefix: str | None = None,
                         sort: Literal["tag", "count", "conversation_count"] | None = None,
-                        min_count: int | None = None, min_conversation_count: int | None = None,
+                        min_count: StrictInt | None = None, min_conversation_count: StrictInt | None = None,
                         limit: Limit = None, offset: Offset = None) -> CallToolResult:
         """Tag statistics (GET /tags): one exact 'tag' or a literal 'prefix', sorted, with thresholds."""
         async def work(_: Grant) -> dict[str, Any]:
@@ -403,7 +405,7 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     async def get_relationships(message: OptUuid = None, source: OptUuid = None, target: OptUuid = None,
                                 type: Literal[RELATIONSHIP_TYPES] | None = None,  # type: ignore[valid-type]
-                                author: Name = None, include_retracted: bool | None = None, after: Seq = None,
+                                author: Name = None, include_retracted: StrictBool | None = None, after: Seq = None,
                                 limit: Limit = None, offset: Offset = None) -> CallToolResult:
         """Relationship assertions in sequence order (GET /relationships): by message (either end), source,
         target, type, author; active only unless include_retracted."""
@@ -462,7 +464,7 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     async def create_conversation(subject: str, operation_token: Token, *, payload: Payload,
                                   content: str | None = None, kinds: Kinds = None, schema_name: str | None = None,
-                                  schema_version: int | None = None) -> CallToolResult:
+                                  schema_version: StrictInt | None = None) -> CallToolResult:
         """Start a conversation with its root message (POST /conversations): content and/or payload, kinds,
         optionally a named schema for the payload."""
         async def work(grant: Grant) -> dict[str, Any]:
@@ -476,7 +478,7 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
 
     async def append_message(conversation_id: Uuid, operation_token: Token, *, payload: Payload,
                              content: str | None = None, kinds: Kinds = None, schema_name: str | None = None,
-                             schema_version: int | None = None, reply_to: OptUuid = None) -> CallToolResult:
+                             schema_version: StrictInt | None = None, reply_to: OptUuid = None) -> CallToolResult:
         """Add a message to a conversation (POST /conversations/{id}/messages), optionally replying to one
         of its messages."""
         async def work(grant: Grant) -> dict[str, Any]:
