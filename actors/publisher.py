@@ -218,7 +218,11 @@ class EventPublisher(Actor):
         self.active = True
         self.activations += 1
         self._set_cursor(cursor)
-        self.log.info("publisher.active", cursor=cursor)
+        # Declared now, not at the first change: an integrator can bind its queue to
+        # tm.events.<corpus_id> on a fresh node (a failure here is retried with the first window).
+        if self.scope is not None and not self._exchange_ready:
+            await self._declare()
+        self.log.info("publisher.active", cursor=cursor, exchange_declared=self._exchange_ready)
         backoff = RETRY_BACKOFF[0]
         while not self._stop_requested.is_set():
             self._wake.clear()
@@ -254,18 +258,11 @@ class EventPublisher(Actor):
         events = [(self._decode(row), row["trace_id"]) for row in rows]
         assert self.scope is not None
         if not self._exchange_ready:
-            # Here rather than at start-up: the publisher starts (and stands by) while the broker is
-            # down, and a failed declaration is retried from the cursor like a failed publish.
-            try:
-                async with asyncio.timeout(self.publish_timeout):
-                    await declare_corpus_events(self.bus, self.scope.events_exchange)
-                    await self.bus.declare_exchange(self.scope.hub_exchange)
-            except TimeoutError:
-                return None, BusUnavailable(f"declaring {self.scope.events_exchange!r} took over "
-                                            f"{self.publish_timeout}s")
-            except BusError as e:
-                return None, e
-            self._exchange_ready = True
+            # Also here: the publisher starts (and stands by) while the broker is down, and a failed
+            # declaration is retried from the cursor like a failed publish.
+            failed = await self._declare()
+            if failed is not None:
+                return None, failed
         # The stored text, not the decoded event: the hubs hand subscribers the history's own bytes.
         changes = [[event.sequence, event.type, event.partition, row["event"]]
                    for (event, _), row in zip(events, rows, strict=True)]
@@ -285,6 +282,21 @@ class EventPublisher(Actor):
                 raise result
             confirmed = event.sequence
         return confirmed, None
+
+    async def _declare(self) -> BusError | None:
+        """Declare this corpus's events exchange (bound into ``tm.events``) and the hubs' exchange;
+        the failure, or None once both exist."""
+        assert self.scope is not None
+        try:
+            async with asyncio.timeout(self.publish_timeout):
+                await declare_corpus_events(self.bus, self.scope.events_exchange)
+                await self.bus.declare_exchange(self.scope.hub_exchange)
+        except TimeoutError:
+            return BusUnavailable(f"declaring {self.scope.events_exchange!r} took over {self.publish_timeout}s")
+        except BusError as e:
+            return e
+        self._exchange_ready = True
+        return None
 
     async def _send(self, event: ChangeEvent, trace_id: str | None) -> None:
         assert self.scope is not None

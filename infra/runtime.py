@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from infra.bus.base import Bus, Consumer, Delivery, QueueSpec
 from infra.logs import get_logger
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, ProcessFatal
 
 log = get_logger("toastmachine.runtime")
 
@@ -39,7 +39,7 @@ class ActorState(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
     BACKOFF = "backoff"  # crashed; waiting to restart
-    FAILED = "failed"  # its configuration is wrong: not restarted (see Supervisor)
+    FAILED = "failed"  # its configuration is wrong, or it met a ProcessFatal: not restarted (see Supervisor)
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -215,7 +215,9 @@ class Supervisor:
     An actor whose building or start raises :class:`~protocol.errors.ConfigError` is not restarted:
     a restart meets the same configuration. It is left ``failed`` and :meth:`start` raises that
     error at once, so the process can say what is wrong and exit instead of retrying until its
-    start deadline.
+    start deadline. An actor that crashes with a :class:`~protocol.errors.ProcessFatal` is not
+    restarted either: it is left ``failed``, :attr:`fatal` holds the error and :meth:`wait_fatal`
+    returns, so the process stops (and exits non-zero) instead of going on.
 
     Args:
         factories: actor name → zero-argument callable building a fresh actor instance.
@@ -235,6 +237,15 @@ class Supervisor:
         #: The first configuration error an actor met (see the class docstring); set with it.
         self.misconfigured: ConfigError | None = None
         self._misconfigured = asyncio.Event()
+        #: The ProcessFatal an actor crashed with (see the class docstring); set with it.
+        self.fatal: ProcessFatal | None = None
+        self._fatal = asyncio.Event()
+
+    async def wait_fatal(self) -> ProcessFatal:
+        """Return once an actor crashed with a :class:`~protocol.errors.ProcessFatal`."""
+        await self._fatal.wait()
+        assert self.fatal is not None
+        return self.fatal
 
     async def start(self, wait: float | None = 30.0) -> None:
         """Start one supervision task per actor; wait up to ``wait`` s for each first successful start.
@@ -302,6 +313,17 @@ class Supervisor:
                 return
             except Exception as e:  # noqa: BLE001 - a failed start is a crash like any other
                 error = e
+            if isinstance(error, ProcessFatal):
+                health.last_error = f"{type(error).__name__}: {error}"
+                health.state, health.since = ActorState.FAILED, time.time()
+                log.error("actor.fatal", actor=name, error=health.last_error,
+                          detail="not restarted: the process stops")
+                with contextlib.suppress(Exception):
+                    await actor.stop(grace=0)
+                if self.fatal is None:
+                    self.fatal = error
+                self._fatal.set()
+                return
             health.restarts += 1
             health.last_error = f"{type(error).__name__}: {error}"
             health.state, health.since = ActorState.BACKOFF, time.time()

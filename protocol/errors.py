@@ -46,6 +46,11 @@ class ToastMachineError(Exception):
     """Root of every exception raised on purpose by ToastMachine code."""
 
 
+class ProcessFatal(ToastMachineError):
+    """An actor met something after which its process must stop rather than restart it: going on
+    would serve what is known to be wrong (a mirror that found its source's history forked)."""
+
+
 class ConfigError(ToastMachineError):
     """A configuration value is missing or invalid. The message names the variable."""
 

@@ -283,6 +283,17 @@ async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
                 await restore_archive(StoreSource(store), archived.lineage, target, trusted=trusted)
             assert "crc_mismatch" in {f.kind for f in refused.value.findings}
             await obstore.put_async(raw_store(store), last, data)
+            # A byte flipped in the first segment: what follows it no longer fits, but the refusal
+            # names the segment's own fault (it once said only "does not fit together").
+            assert len(archived.segments) >= 2
+            first = archived.segment_key(0)
+            head = await store.get(first)
+            await obstore.put_async(raw_store(store), first, head[:100] + bytes([head[100] ^ 1]) + head[101:])
+            with pytest.raises(RestoreRefused) as refused:
+                await restore_archive(StoreSource(store), archived.lineage, target, trusted=trusted)
+            assert "crc_mismatch" in {f.kind for f in refused.value.findings}, refused.value
+            assert "does not verify" in str(refused.value)
+            await obstore.put_async(raw_store(store), first, head)
             private = [o.key async for o in store.list(f"{archived.lineage}/private/segments")]
             await obstore.delete_async(raw_store(store), min(private))
             with pytest.raises(RestoreRefused) as refused:

@@ -238,3 +238,16 @@ async def test_json_logs_cover_every_logger(tmp_path: Path, database_url: str) -
     assert others == [], others  # even the command's own report is a record in JSON mode
     assert {r["event"] for r in records} >= {"db.connected", "db.migration_applied", "db.closed", "migrate.applied"}
     assert all(r["logger"].startswith("toastmachine.") and r["level"] and r["timestamp"] for r in records)
+
+
+async def test_a_malformed_store_or_node_url_is_a_usage_error(tmp_path: Path) -> None:
+    """A URL that does not parse (an unclosed IPv6 bracket) is named on one line with exit 2, like
+    any other bad argument, not a traceback from deep inside the command."""
+    for args in (("mirror", "--from", "http://[::1/", "--public-key", "K", "--once"),
+                 ("archive", "verify", "--from-store", "http://[::1/"),
+                 ("archive", "restore", "--from", "s3://[bucket/x"),
+                 ("mirror", "--from", "http://127.0.0.1:1/", "--archive", "http://host:port/", "--public-key", "K")):
+        proc = await procs.start(*args, env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path)))
+        assert await proc.wait() == 2, (args, proc.output)
+        text = "\n".join(proc.output)
+        assert "is not a URL or a path" in text and "Traceback" not in text, text

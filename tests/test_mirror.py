@@ -24,6 +24,7 @@ import asyncpg
 import obstore
 import orjson
 import pytest
+from aiohttp import web
 
 from actors.commands import submit_write
 from actors.reads import archive as archive_reads
@@ -404,3 +405,148 @@ async def _http_post(http: aiohttp.ClientSession, url: str, path: str, author: d
     async with http.post(url + path, json=body, headers={**author, "Operation-Token": str(uuid.uuid4())}) as resp:
         assert resp.status == 201, await resp.text()
         return dict(await resp.json())
+
+
+class _Forger:
+    """An HTTP proxy in front of a node: passes every request through, can be stopped and started
+    again on the same port (the source away), and with ``forge`` set rewrites the content of every
+    message in ``changes.jsonl`` (a node lying about its live tail)."""
+
+    def __init__(self, target: str) -> None:
+        from tests import procs
+
+        self.target = target.rstrip("/")
+        self.port = procs.free_port()
+        self.forge = False
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        assert self._http is not None
+        async with self._http.request(request.method, self.target + request.path_qs, data=await request.read(),
+                                      headers={k: v for k, v in request.headers.items() if k.lower() != "host"}) as r:
+            body = await r.read()
+            headers = {k: v for k, v in r.headers.items()
+                       if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")}
+        if self.forge and request.path == "/corpus/changes.jsonl":
+            body = b"".join(self._forged(line) + b"\n" for line in body.splitlines())
+        return web.Response(status=r.status, body=body, headers=headers)
+
+    @staticmethod
+    def _forged(line: bytes) -> bytes:
+        def walk(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: ("FORGED by the proxy" if k == "content" and isinstance(v, str) else walk(v))
+                        for k, v in value.items()}
+            return [walk(v) for v in value] if isinstance(value, list) else value
+
+        return orjson.dumps(walk(orjson.loads(line))) if line.strip() else line
+
+    async def up(self) -> None:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def down(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        await self.down()
+        if self._http is not None:
+            await self._http.close()
+
+
+async def test_mirror_serve_waits_out_its_source_and_stops_at_a_forged_tail(tmp_path: Path) -> None:
+    """``mirror --serve`` through a proxy to the node. The proxy stopped for a while: the mirror says
+    so in one line per try (no traceback) and catches up once it is back. The proxy then forges the
+    live tail (``changes.jsonl``): the mirror applies it as unverified, and when the archive covers
+    those changes and contradicts them, the process stops by itself with exit 1 instead of going on
+    serving the forgery."""
+    from tests import procs
+
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "node"), TOASTMACHINE_PORT="0",
+                          TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS="2", TOASTMACHINE_ARCHIVE_SWEEP_SECONDS="0.2")
+    node = await procs.start("up", env=env)
+    proxy: _Forger | None = None
+    mirror: procs.NodeProcess | None = None
+    try:
+        url = await node.wait_listening(timeout=120)
+        proxy = _Forger(url)
+        await proxy.up()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            author = await _http_author(http, url)
+            cid = (await _http_post(http, url, "/conversations", author, {"subject": "forged", "content": "one"}))["conversation"]["id"]
+            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "two"})
+
+            async def published() -> bool:
+                async with http.get(url + "/corpus/archive") as resp:
+                    body = await resp.json()
+                return bool(body["public_key"]) and any(s["state"] == "published" for s in body["segments"])
+
+            await _until(published, "the node to publish an archive segment")
+            async with http.get(url + "/corpus/archive") as resp:
+                key = (await resp.json())["public_key"]
+            mirror = await procs.start("mirror", "--from", proxy.url, "--public-key", key, "--serve", "--poll", "0.1",
+                                       env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "mirror"),
+                                                           TOASTMACHINE_PORT="0"))
+            copy = await mirror.wait_listening(timeout=120)
+
+            async def caught_up() -> bool:
+                async with http.get(copy + "/corpus") as a, http.get(url + "/corpus") as b:
+                    return bool((await a.json())["head_sequence"] == (await b.json())["head_sequence"])
+
+            await _until(caught_up, "the mirror to reach the node's head")
+
+            await proxy.down()
+            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "while away"})
+            await mirror.wait_for_line(r"mirror\.round_failed", timeout=WAIT)
+            await proxy.up()
+            await _until(caught_up, "the mirror to catch up once its source is back")
+
+            # Align on a segment boundary (events seal by twos): the change forged next stays in the
+            # open segment, so the mirror takes it from the live tail, not from the archive.
+            async def boundary() -> bool:
+                async with http.get(url + "/corpus") as resp:
+                    body = await resp.json()
+                if body["archive"]["verified_through"] == body["head_sequence"]:
+                    async with http.get(copy + "/corpus") as resp:
+                        return bool((await resp.json())["mirror"]["verified_through"] == body["head_sequence"])
+                return False
+
+            async with http.get(url + "/corpus") as resp:
+                odd = (await resp.json())["head_sequence"] % 2  # (no segment is old enough to seal by age)
+            if odd:
+                await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "filler"})
+            await _until(boundary, "the node and the mirror to hold every change archived")
+            proxy.forge = True
+            lie = await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "the truth"})
+
+            async def applied() -> bool:
+                async with http.get(copy + f"/messages/{lie['message']['id']}") as resp:
+                    return resp.status == 200
+
+            await _until(applied, "the mirror to apply the (forged) live tail")
+            async with http.get(copy + f"/messages/{lie['message']['id']}") as resp:
+                assert (await resp.json())["content"] == "FORGED by the proxy"
+            # The next write seals the segment: the archive now covers the forged change.
+            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "seals it"})
+            assert await mirror.wait(timeout=WAIT) == 1, "\n".join(mirror.output)
+        text = "\n".join(mirror.output)
+        assert "actor.fatal" in text and "MirrorFork" in text, text
+        assert not procs.unexpected_tracebacks(mirror.output), text
+    finally:
+        if mirror is not None and mirror.proc.returncode is None:
+            await mirror.stop()
+        if proxy is not None:
+            await proxy.close()
+        await node.stop()

@@ -484,3 +484,29 @@ async def test_bus_down_longer_than_the_publish_timeout_the_cursor_waits_then_re
     finally:
         await cleanup_rabbit(queue_bus)
         await queue_bus.close()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+async def test_the_corpus_events_exchange_exists_before_the_first_change(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """An integrator binds its queue to tm.events.<corpus_id> on a fresh node, before any write:
+    the active publisher declared it (a passive declare fails on an exchange nobody declared)."""
+    import aio_pika
+
+    async with publisher_deployment(tmp_path, rabbitmq_url, database_url, ("pub-a",)) as dep:
+        await dep.processes["pub-a"].wait_for_line(r"publisher\.active", timeout=WAIT)
+        conn = await asyncpg.connect(database_url)
+        try:
+            corpus_id = await conn.fetchval("select corpus_id from corpus_witness")
+            assert await conn.fetchval("select count(*) from changes") == 0
+        finally:
+            await conn.close()
+        broker = await aio_pika.connect(rabbitmq_url)
+        try:
+            channel = await broker.channel()
+            exchange = await channel.get_exchange(f"tm.events.{corpus_id}", ensure=True)  # passive
+            queue = await channel.declare_queue(exclusive=True)
+            await queue.bind(exchange, "#")
+        finally:
+            await broker.close()

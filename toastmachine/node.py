@@ -221,7 +221,12 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
             if start.done() and start.exception() is None:
                 tune_gc()
                 _announce(node, supervisor, announce)
-                await stop_wait
+                fatal = asyncio.create_task(supervisor.wait_fatal())
+                await asyncio.wait({stop_wait, fatal}, return_when=asyncio.FIRST_COMPLETED)
+                if fatal.done():
+                    log.error("node.stopping", reason=str(fatal.result()))
+                    start_failed = True  # a process stopped by a fatal error exits non-zero
+                fatal.cancel()
             elif start.done():
                 not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
                 log.error("node.start_failed", actors=not_started)

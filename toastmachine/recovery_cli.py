@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -40,6 +41,17 @@ class NoSuchStore(ConfigError):
         super().__init__(message)
         #: The store as reports name it (``directory /abs/path``).
         self.description = description
+
+
+def _location(value: str) -> str:
+    """An argument naming a store or a node, refused (exit 2, one line) when it does not parse as
+    a URL or a path: ``http://[::1/`` would otherwise fail later with a traceback."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises for a malformed port or bracketed host
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{value[:200]!r} is not a URL or a path: {e}") from None
+    return value
 
 
 def open_store(settings: Settings, url: str | None, *, option: str = "--from") -> ArchiveStore:
@@ -359,7 +371,7 @@ def add_commands(sub: Any) -> None:
     if actions is None:
         actions = archive.add_subparsers(dest="archive_command", required=True, metavar="ACTION")
     verify = actions.add_parser("verify", help=cmd_archive_verify.__doc__)
-    verify.add_argument("--from-store", metavar="URL", default=None,
+    verify.add_argument("--from-store", metavar="URL", default=None, type=_location,
                         help="the store to check (directory, file:// or s3://); default TOASTMACHINE_ARCHIVE_URL")
     verify.add_argument("--lineage", type=_lineage, default=None,
                         help="the lineage to check (default: the database's, else the store's only one)")
@@ -369,7 +381,7 @@ def add_commands(sub: Any) -> None:
     verify.add_argument("--no-database", action="store_true", help="check the archive alone")
     verify.set_defaults(func=cmd_archive_verify)
     restore = actions.add_parser("restore", help=cmd_archive_restore.__doc__)
-    restore.add_argument("--from", dest="source", metavar="URL", required=True,
+    restore.add_argument("--from", dest="source", metavar="URL", required=True, type=_location,
                          help="the archive store (directory, file:// or s3://bucket/prefix)")
     restore.add_argument("--lineage", type=_lineage, default=None,
                          help="the lineage to restore (default: the store's only one)")
@@ -383,12 +395,12 @@ def add_commands(sub: Any) -> None:
                               "after it)")
     restore.set_defaults(func=cmd_archive_restore)
     mirror = sub.add_parser("mirror", help=cmd_mirror.__doc__)
-    mirror.add_argument("--from", dest="source", metavar="URL", required=True,
+    mirror.add_argument("--from", dest="source", metavar="URL", required=True, type=_location,
                         help="the node (https://node/: its archive routes and changes.jsonl) or an archive store "
                              "(directory, file:// or s3://bucket/prefix: the archive alone)")
     mirror.add_argument("--public-key", metavar="KEY", required=True,
                         help="the node's checkpoint verifier key, pinned out of band (or a file holding it)")
-    mirror.add_argument("--archive", metavar="URL", default=None,
+    mirror.add_argument("--archive", metavar="URL", default=None, type=_location,
                         help="read the node's archive from this store instead of its routes")
     mirror.add_argument("--lineage", type=_lineage, default=None,
                         help="the lineage to mirror (default: the node's, else the store's only one)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,7 @@ from infra.config import redact_url
 from infra.db import Database, connection
 from infra.http_client import read_capped
 from infra.logs import get_logger
+from infra.outages import DB_UNAVAILABLE_ERRORS
 from infra.runtime import Actor
 from protocol.archive import (
     GENESIS_HASH,
@@ -59,7 +61,7 @@ from protocol.archive import (
     segment_name,
 )
 from protocol.checkpoint import MAX_NOTE_BYTES, CheckpointError, VerifierKey, verify_checkpoint
-from protocol.errors import ToastMachineError
+from protocol.errors import ProcessFatal, ToastMachineError
 from protocol.manifest import (
     MAX_MANIFEST_BYTES,
     ManifestError,
@@ -87,8 +89,10 @@ class MirrorError(ToastMachineError):
     """The mirror cannot go on: refused database, unreachable or invalid source."""
 
 
-class MirrorFork(MirrorError):
-    """What the source serves contradicts what this mirror verified: a rewritten or forked history."""
+class MirrorFork(MirrorError, ProcessFatal):
+    """What the source serves contradicts what this mirror verified: a rewritten or forked history.
+    Fatal to ``mirror --serve``: its process stops rather than go on serving a copy that differs
+    from the archive (changes applied from the live tail before the archive covered them included)."""
 
 
 @dataclass(slots=True)
@@ -437,6 +441,13 @@ class Mirror:
                 "root_base64": base64.b64encode(self.state.tree.root()).decode()}
 
 
+#: Seconds between a failed round's retries at most (``mirror --serve``).
+ROUND_BACKOFF_MAX = 10.0
+#: What makes a round fail for a while (the source, or the mirror's own database, away; a segment
+#: refused): tried again, where a fork is not.
+_ROUND_RETRIED: tuple[type[BaseException], ...] = (ArchiveStoreError, MirrorError, *DB_UNAVAILABLE_ERRORS)
+
+
 class MirrorFollower(Actor):
     """``toastmachine mirror --serve``: the mirror's rounds as an actor, beside the web front that
     serves the copy (read-only: migration 0011) and the publisher that feeds its streams.
@@ -446,9 +457,11 @@ class MirrorFollower(Actor):
             source, lineage and pinned key), once per start.
         poll_interval: seconds between rounds when nothing is new.
 
-    A round that fails (the node or store unreachable, a refused segment) crashes the actor, which
-    the supervisor restarts with back-off: the mirror resumes from its committed state, and a fork
-    keeps failing loudly instead of being served as the truth.
+    A round that fails for a while (the node or store unreachable, a refused segment, the mirror's
+    own database away) is logged in one line and tried again after a back-off (doubling from 1 s
+    to :data:`ROUND_BACKOFF_MAX`): the mirror resumes from its committed state. A fork
+    (:class:`MirrorFork`) is fatal: the process stops and exits 1 rather than serve a copy the
+    archive contradicts.
     """
 
     name = "mirror"
@@ -467,7 +480,19 @@ class MirrorFollower(Actor):
 
     async def run(self) -> None:
         assert self.mirror is not None
-        await self.mirror.run(self._stop_requested, poll_interval=self.poll_interval)
+        backoff = 1.0
+        while not self._stop_requested.is_set():
+            try:
+                await self.mirror.run(self._stop_requested, poll_interval=self.poll_interval)
+            except MirrorFork:
+                raise
+            except _ROUND_RETRIED as e:
+                log.warning("mirror.round_failed", error=f"{type(e).__name__}: {e}", retry_in=backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop_requested.wait(), backoff)
+                backoff = min(backoff * 2, ROUND_BACKOFF_MAX)
+                continue
+            backoff = 1.0
 
     async def close(self) -> None:
         if self._session is not None:

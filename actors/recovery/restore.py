@@ -219,9 +219,14 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
         loader = HistoryLoader(conn, str(corpus_id), str(new_lineage))
         try:
             await _load_history(walk, loader, progress)
-        except LoadRefused as e:
-            raise RestoreRefused(str(e)) from None
-        except asyncpg.IntegrityConstraintViolationError as e:
+        except (LoadRefused, asyncpg.IntegrityConstraintViolationError) as e:
+            # A segment that failed its check is skipped by the walk, so what follows it does not
+            # fit: the walk's finding (a CRC mismatch, a missing segment) is the reason, not the gap.
+            walk.finish()
+            if walk.findings:
+                raise RestoreRefused("the archive does not verify", walk.findings) from None
+            if isinstance(e, LoadRefused):
+                raise RestoreRefused(str(e)) from None
             # An event naming an agent the register lacks, say: the archive is not a whole corpus.
             raise RestoreRefused(f"the archived history does not fit together ({type(e).__name__}: "
                                  f"{getattr(e, 'constraint_name', None) or 'constraint'})") from None
