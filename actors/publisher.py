@@ -41,6 +41,7 @@ field tells the hub exactly which hole to read from the history.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -50,6 +51,7 @@ from prometheus_client.registry import CollectorRegistry
 from infra.bus.base import Bus, HeaderValue, declare_corpus_events
 from infra.db import CorpusIdentity, Database
 from infra.db.lock_session import (
+    HandOver,
     LockLost,
     LockSession,
     guarded,
@@ -88,6 +90,12 @@ DEFAULT_STANDBY_INTERVAL = 1.0
 DEFAULT_PUBLISH_TIMEOUT = 10.0
 #: Back-off after a failed window: doubles from the first value up to the second.
 RETRY_BACKOFF = (0.2, 5.0)
+#: Seconds of failing publishes (the broker not confirming, the database answering) after which the
+#: active publisher releases its lock for a standby that may reach the broker, and stands by for
+#: HANDOVER_PAUSE seconds (then takes the lock again if nobody else did: a broker down for every
+#: publisher costs it no more than that once it is back).
+HANDOVER_AFTER = 10.0
+HANDOVER_PAUSE = 5.0
 
 _READ_CHANGES = ("select sequence, event, trace_id from changes where sequence > $1 "
                  "order by sequence limit $2")
@@ -224,6 +232,7 @@ class EventPublisher(Actor):
             await self._declare()
         self.log.info("publisher.active", cursor=cursor, exchange_declared=self._exchange_ready)
         backoff = RETRY_BACKOFF[0]
+        failing_since: float | None = None
         while not self._stop_requested.is_set():
             self._wake.clear()
             rows = await self._guard(session, conn.fetch(_READ_CHANGES, cursor, self.batch_size))
@@ -240,6 +249,11 @@ class EventPublisher(Actor):
                     cursor = confirmed
                     self._set_cursor(cursor)
                 if error is not None:
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    if isinstance(error, BusError) and now - failing_since >= HANDOVER_AFTER:
+                        raise HandOver(f"the broker has confirmed nothing for {now - failing_since:.0f}s: "
+                                       f"{error}", HANDOVER_PAUSE)
                     self.failed_windows += 1
                     self._exchange_ready = False  # e.g. a broker reset: declare it again, it is cheap
                     self.log.warning("publisher.publish_failed", error=str(error), cursor=cursor,
@@ -247,7 +261,7 @@ class EventPublisher(Actor):
                     await self._pause(backoff, session.lost)
                     backoff = min(backoff * 2, RETRY_BACKOFF[1])
                     break
-                backoff = RETRY_BACKOFF[0]
+                backoff, failing_since = RETRY_BACKOFF[0], None
                 if self._stop_requested.is_set():
                     break
 

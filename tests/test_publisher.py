@@ -510,3 +510,47 @@ async def test_the_corpus_events_exchange_exists_before_the_first_change(
             await queue.bind(exchange, "#")
         finally:
             await broker.close()
+
+
+@pytest.mark.fault
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+async def test_a_publisher_cut_off_from_the_broker_hands_its_lock_to_one_that_is_not(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """The active publisher reaches PostgreSQL but not RabbitMQ (a forwarder in front of the broker,
+    cut): it is not dead, so the standby could not take over by the lock alone. After
+    HANDOVER_AFTER seconds of unconfirmed publishes it releases the lock, the standby (which
+    reaches the broker) becomes active, and every event reaches an integrator's queue."""
+    from urllib.parse import urlsplit
+
+    from tests.tcp_proxy import TcpProxy
+
+    server = urlsplit(rabbitmq_url)
+    proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5672)
+    await proxy.up()
+    via_proxy = rabbitmq_url.replace(server.netloc, f"{server.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}")
+    try:
+        async with durable_queue(rabbitmq_url, "message.appended.*") as received, \
+                deployment(tmp_path, rabbitmq_url, database_url) as dep:
+            await dep.start("writer", "writer")
+            await dep.start("web", "web")
+            await dep.start("publisher", "pub-a", TOASTMACHINE_AMQP_URL=via_proxy)
+            await dep.processes["pub-a"].wait_for_line(r"publisher\.active", timeout=WAIT)
+            await dep.start("publisher", "pub-b")
+            await dep.processes["pub-b"].wait_for_line(r"publisher\.standby", timeout=WAIT)
+
+            await proxy.down()
+            load = Load()
+            loader = asyncio.create_task(run_load(dep.urls["web"], load))
+            try:
+                await dep.processes["pub-a"].wait_for_line(r"publisher\.handing_over", timeout=120)
+                await dep.processes["pub-b"].wait_for_line(r"publisher\.active", timeout=WAIT)
+                await loader
+            finally:
+                if not loader.done():
+                    loader.cancel()
+            await assert_every_message_sequence(received, database_url)
+            await proxy.up()  # so that pub-a, back on its broker, stops as cleanly as the rest
+    finally:
+        await proxy.down()

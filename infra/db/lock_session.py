@@ -36,6 +36,16 @@ class LockLost(ToastMachineError):
     """The connection holding a single-active lock is gone: another instance may be active now."""
 
 
+class HandOver(ToastMachineError):
+    """Raised by an active instance that holds the lock but cannot do the work (its broker
+    unreachable while its database answers): :func:`serve_while_locked` releases the lock and stands
+    by for ``pause`` seconds, so that another instance, which may reach the broker, takes over."""
+
+    def __init__(self, reason: str, pause: float) -> None:
+        super().__init__(reason)
+        self.pause = pause
+
+
 #: What ends an active period: the lock session went away (the lock may be someone else's now).
 SESSION_ERRORS: tuple[type[BaseException], ...] = (LockLost, *UNAVAILABLE_ERRORS)
 
@@ -209,15 +219,22 @@ async def serve_while_locked(
                     session = None
                 continue
             standby_logged = False
+            handed_over: HandOver | None = None
             try:
                 await while_active(session)
             except SESSION_ERRORS as e:
                 # The lock may be someone else's by now: do nothing more on this session.
                 log.warning(f"{role}.lock_lost", error=repr(e), **lost_context(), detail=lost_detail)
+            except HandOver as e:
+                log.warning(f"{role}.handing_over", reason=str(e), **lost_context(), standby_for=e.pause,
+                            detail="lock released for an instance that may do the work; standing by")
+                handed_over = e
             finally:
                 inactive()
-                await session.close()
+                await session.close()  # (closing the session releases its advisory lock)
                 session = None
+            if handed_over is not None:
+                await pause(handed_over.pause, stopped)
     finally:
         inactive()
         if session is not None:
