@@ -118,7 +118,14 @@ from protocol.archive import (
 from protocol.archive_private import AgentRecord, OperationRecord, PrivateRecord, encode_private_record
 from protocol.checkpoint import Checkpoint, SignerKey, sign_checkpoint
 from protocol.errors import ToastMachineError
-from protocol.manifest import Manifest, ManifestSegment, encode_manifest, validate_manifest
+from protocol.manifest import (
+    PAGE_SEGMENTS,
+    ManifestPage,
+    ManifestSegment,
+    encode_page,
+    encode_paged,
+    validate_run,
+)
 from protocol.merkle import CompactTree
 
 #: Key of the session-level advisory lock held by the active archiver: the first 8 bytes of
@@ -428,6 +435,7 @@ class Archiver(Actor):
         standby_interval: seconds between a standby's attempts to take the lock.
         parent_lineage: the lineage a restore started from, listed in the manifest (None: original).
         batch_segments: segments handled together at most (see :data:`BATCH_SEGMENTS`).
+        manifest_page: segments per manifest page (:data:`protocol.manifest.PAGE_SEGMENTS`).
     """
 
     name = "archiver"
@@ -436,7 +444,7 @@ class Archiver(Actor):
                  signer: SignerKey | None, node_id: str, dsn: str | None = None, policy: SealPolicy | None = None,
                  sweep_interval: float = 5.0, standby_interval: float = DEFAULT_STANDBY_INTERVAL,
                  parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS,
-                 store_backoff: tuple[float, float] = STORE_BACKOFF) -> None:
+                 store_backoff: tuple[float, float] = STORE_BACKOFF, manifest_page: int = PAGE_SEGMENTS) -> None:
         super().__init__()
         self.bus = bus
         self.db = db
@@ -452,6 +460,10 @@ class Archiver(Actor):
         self.batch_segments = batch_segments
         #: Back-off after a store failure: doubles from the first value up to the second (STORE_BACKOFF).
         self.store_backoff = store_backoff
+        #: Segments per manifest page (PAGE_SEGMENTS; smaller in tests, to have pages at all).
+        self.manifest_page = manifest_page
+        #: The manifest pages written or found this activation (None: not read since it began).
+        self._pages: list[ManifestPage] | None = None
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
         #: True while this instance holds the lock and archives.
         self.active = False
@@ -577,6 +589,7 @@ class Archiver(Actor):
         self.activations += 1
         self._batch_now.clear()  # each activation starts with small batches again
         self._recorded_store_error = _UNRECORDED  # a predecessor may have left a failure recorded
+        self._pages = None  # rebuilt from the database at this activation's first publish
         self.log.info("archiver.active", store=self.store.description)
         backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
@@ -1057,15 +1070,12 @@ class Archiver(Actor):
         key = (checkpoint_key if stream is Stream.PUBLIC else private_checkpoint_key)(self._lineage, last.tree_size)
         await self.store.put(key, note.encode())
         if stream is Stream.PUBLIC:
-            listed = await conn.fetch(
-                "select segment_index, first_sequence, last_sequence, event_count, size, hash from archive_segments "
-                "where stream = 0 and state in ('verified', 'published') and segment_index <= $1 "
-                "order by segment_index", last.index)
-            manifest = Manifest(self._lineage, self.parent_lineage, tuple(
-                ManifestSegment(r["segment_index"], r["first_sequence"], r["last_sequence"], r["event_count"],
-                                r["size"], bytes(r["hash"]).hex()) for r in listed))
-            validate_manifest(manifest)
-            await self.store.replace(manifest_key(self._lineage), encode_manifest(manifest))
+            pages = await self._manifest_pages(conn, last.index)
+            after = pages[-1] if pages else None
+            tail = await self._listed(conn, after.last_index + 1 if after else 0, last.index)
+            validate_run(tail, after.last_index + 1 if after else 0, after.last_sequence if after else -1)
+            await self.store.replace(manifest_key(self._lineage),
+                                     encode_paged(self._lineage, self.parent_lineage, pages, tail))
         await self.store.sync([key, manifest_key(self._lineage)] if stream is Stream.PUBLIC else [key])
         await conn.execute(
             "with checkpoint as (insert into archive_checkpoints (stream, tree_size, root, note) "
@@ -1078,6 +1088,42 @@ class Archiver(Actor):
         self.published_size[stream] = last.tree_size
         self.log.info("archiver.published", stream=stream.name.lower(), tree_size=last.tree_size)
         self._progressed()
+
+    @staticmethod
+    async def _listed(conn: Any, first: int, last: int) -> tuple[ManifestSegment, ...]:
+        """The manifest entries of verified or published public segments ``first`` to ``last``."""
+        rows = await conn.fetch(
+            "select segment_index, first_sequence, last_sequence, event_count, size, hash from archive_segments "
+            "where stream = 0 and state in ('verified', 'published') and segment_index between $1 and $2 "
+            "order by segment_index", first, last)
+        return tuple(ManifestSegment(r["segment_index"], r["first_sequence"], r["last_sequence"], r["event_count"],
+                                     r["size"], bytes(r["hash"]).hex()) for r in rows)
+
+    async def _manifest_pages(self, conn: Any, last_index: int) -> list[ManifestPage]:
+        """The manifest's pages up to segment ``last_index``: every full run of
+        :attr:`manifest_page` segments, each written (create-only) and synced before a manifest
+        names it. Kept in memory per activation: the first publish after taking the lock builds
+        them from the database (the objects already there compare identical), later ones add a page
+        only when one fills, so a publish costs the same however long the history is."""
+        if self._pages is None:
+            self._pages = []
+        size = self.manifest_page
+        written: list[str] = []
+        while (len(self._pages) + 1) * size - 1 <= last_index:
+            first = len(self._pages) * size
+            segments = await self._listed(conn, first, first + size - 1)
+            previous = self._pages[-1].last_sequence if self._pages else -1
+            validate_run(segments, first, previous)
+            if len(segments) != size:
+                raise ArchiverError(f"manifest page {first}-{first + size - 1}: {len(segments)} segments verified")
+            page, data = encode_page(self._lineage, segments)
+            outcome = await self.store.put(page.key(self._lineage), data)  # different: ForkAlarm
+            self.puts[outcome.name.lower()] = self.puts.get(outcome.name.lower(), 0) + 1
+            written.append(page.key(self._lineage))
+            self._pages.append(page)
+        if written:
+            await self.store.sync(written)
+        return list(self._pages)
 
     async def _record_store_state(self, session: LockSession, error: str | None) -> None:
         """Record in archiver_store_state whether the store answers (``error`` None) or why not,

@@ -42,7 +42,8 @@ def _archiver(node: Node) -> Actor:
     return archiver.Archiver(node.bus, node.db, identity=node.identity, store=ArchiveStore.from_settings(settings),
                              signer=signer, node_id=settings.node_id, dsn=dsn, policy=policy,
                              sweep_interval=settings.archive_sweep_seconds,
-                             batch_segments=settings.archive_batch_segments)
+                             batch_segments=settings.archive_batch_segments,
+                             manifest_page=settings.archive_manifest_page)
 
 
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).

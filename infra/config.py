@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from infra.client_address import TrustedProxies
 from protocol.checkpoint import CheckpointError, parse_signer_key
 from protocol.errors import ConfigError
+from protocol.manifest import PAGE_SEGMENTS
 
 PREFIX = "TOASTMACHINE_"
 T = TypeVar("T")
@@ -61,6 +62,8 @@ class Settings:
     archive_signing_key: str | None = None
     #: The archiver seals a segment at this many events (SPEC §5: 500)...
     archive_segment_events: int = 500
+    #: Segments per manifest page (protocol.manifest.PAGE_SEGMENTS).
+    archive_manifest_page: int = PAGE_SEGMENTS
     #: ...or when the next event would take the segment past this many bytes (4 MiB)...
     archive_segment_bytes: int = 4 << 20
     #: ...or this many seconds after the first event not yet in a segment was committed.
@@ -167,6 +170,7 @@ class Settings:
             archive_s3_secret_access_key=get("ARCHIVE_S3_SECRET_ACCESS_KEY", lambda _v, raw: raw, None),
             archive_signing_key=get("ARCHIVE_SIGNING_KEY", _signer_key, None),
             archive_segment_events=get("ARCHIVE_SEGMENT_EVENTS", _int(1, 65_536), d.archive_segment_events),
+            archive_manifest_page=get("ARCHIVE_MANIFEST_PAGE", _int(1, 100_000), d.archive_manifest_page),
             archive_segment_bytes=get("ARCHIVE_SEGMENT_BYTES", _int(1024, 64 << 20), d.archive_segment_bytes),
             archive_segment_seconds=get("ARCHIVE_SEGMENT_SECONDS", _float(0, 86_400), d.archive_segment_seconds),
             archive_sweep_seconds=get("ARCHIVE_SWEEP_SECONDS", _float(0.05, 3600), d.archive_sweep_seconds),

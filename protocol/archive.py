@@ -664,6 +664,23 @@ def manifest_key(lineage: uuid.UUID) -> str:
     return f"{lineage}/manifest.json"
 
 
+#: Where a lineage's manifest pages are: ``<lineage>/manifest-pages/<first index>-<last index>``.
+MANIFEST_PAGES_DIR = "manifest-pages"
+
+
+def manifest_page_name(first_index: int, last_index: int) -> str:
+    """``<first index>-<last index>`` of a manifest page, zero-padded (10 digits each) so names sort
+    in history order."""
+    if not 0 <= first_index <= last_index <= MAX_INDEX:
+        raise ValueError("manifest page indexes out of bounds")
+    return f"{first_index:010d}-{last_index:010d}"
+
+
+def manifest_page_key(lineage: uuid.UUID, first_index: int, last_index: int) -> str:
+    """``<lineage>/manifest-pages/<name>``: a write-once page of the manifest's segment list."""
+    return f"{lineage}/{MANIFEST_PAGES_DIR}/{manifest_page_name(first_index, last_index)}"
+
+
 def public_key_key(lineage: uuid.UUID) -> str:
     """``<lineage>/public-key.txt``: the checkpoint signer's note verifier key."""
     return f"{lineage}/public-key.txt"

@@ -52,12 +52,13 @@ class Finding:
                 if v is not None}
 
 
-def check_listing(manifest: Manifest, keys: Iterable[str]) -> list[Finding]:
+def check_listing(manifest: Manifest, keys: Iterable[str], *, pages: Iterable[str] = ()) -> list[Finding]:
     """Missing segments (listed in the manifest, absent from the store) and orphans (objects under
-    the lineage that the manifest does not account for), in key order."""
+    the lineage that the manifest does not account for), in key order. ``pages``: the keys of the
+    manifest's pages (read already, so present)."""
     lineage = manifest.lineage
     expected = {segment_key(lineage, s.index, s.first_sequence, s.last_sequence): s for s in manifest.segments}
-    fixed = {manifest_key(lineage), public_key_key(lineage)}
+    fixed = {manifest_key(lineage), public_key_key(lineage), *pages}
     checkpoints = f"{lineage}/checkpoints/"
     private_checkpoints = f"{lineage}/private/checkpoints/"
     present: set[str] = set()

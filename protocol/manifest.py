@@ -1,4 +1,4 @@
-"""``manifest.json``: the list of a lineage's published segments (format version 1).
+"""``manifest.json`` and its pages: the list of a lineage's published segments.
 
 The manifest names every published segment with its index, sequence range, event count, size and
 hash, in order, so a verifier can tell a missing object from an orphan without trusting listings.
@@ -7,14 +7,22 @@ It is derived data: every field can be recomputed from the segments themselves, 
 final newline); decoding is strict: unknown keys, wrong types, gaps or overlaps are refused with a
 :class:`ManifestError` saying where.
 
-Not here yet: the private stream's segments (item 5 of issue #11) will need their own list.
+So that the one object rewritten as segments are published stays small however long the history
+grows, the list is paged: each run of :data:`PAGE_SEGMENTS` segments, once complete, goes to a
+write-once page object (``<lineage>/manifest-pages/<first>-<last>``) that ``manifest.json`` names
+with its range, event count, size and SHA-256; ``manifest.json`` itself lists the pages and the
+segments after the last page. A reader fetches the pages (:meth:`ManifestDocument.page_keys`) and
+:meth:`ManifestDocument.assemble` checks each against its entry and gives the whole
+:class:`Manifest`. A manifest written before pages existed has no ``pages`` key and lists every
+segment itself; it reads the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +37,22 @@ from protocol.archive import (
     READABLE_VERSIONS,
     TRAILER_SIZE,
     DecodedSegment,
+    manifest_page_key,
 )
 from protocol.errors import ToastMachineError
 
-#: A manifest larger than this is refused before parsing (about 300,000 segments).
+#: A manifest (or a page) larger than this is refused before parsing (about 300,000 entries).
 MAX_MANIFEST_BYTES = 64 << 20
+#: Segments per manifest page as the archiver writes them (a reader takes pages of any length):
+#: about 190 KB a page; manifest.json then holds one 190-byte entry per 1,000 segments.
+PAGE_SEGMENTS = 1000
 _HEX_HASH = re.compile(r"[0-9a-f]{64}")
 _TOP_KEYS = {"format_version", "lineage", "parent_lineage", "segments"}
+_PAGED_TOP_KEYS = _TOP_KEYS | {"pages"}
 _SEGMENT_KEYS = {"index", "first_sequence", "last_sequence", "event_count", "size", "hash"}
+_PAGE_KEYS = {"first_index", "last_index", "first_sequence", "last_sequence", "event_count", "size", "hash"}
+_PAGE_DOCUMENT_KEYS = {"format_version", "lineage", "segments"}
+_ENCODING = orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2
 #: The smallest possible segment: header, one empty frame, trailer.
 _MIN_SEGMENT_SIZE = HEADER_SIZE + FRAME_OVERHEAD + TRAILER_SIZE
 
@@ -112,8 +128,14 @@ def validate_manifest(manifest: Manifest) -> None:
                             f"{', '.join(map(str, READABLE_VERSIONS))}")
     if manifest.parent_lineage is not None and manifest.parent_lineage == manifest.lineage:
         raise ManifestError("parent_lineage equals lineage")
-    previous_last = -1
-    for position, s in enumerate(manifest.segments):
+    validate_run(manifest.segments, 0, -1)
+
+
+def validate_run(segments: Sequence[ManifestSegment], first_index: int, previous_last: int) -> None:
+    """Raise ManifestError unless ``segments`` are indexes ``first_index``, ``first_index + 1``...
+    whose ranges strictly follow each other and ``previous_last`` (the last sequence before them;
+    -1 before the first segment), each well formed."""
+    for position, s in enumerate(segments, start=first_index):
         where = f"segments[{position}]"
         if s.index != position:
             raise ManifestError(f"{where}.index is {s.index}, expected {position} (a missing or extra segment)")
@@ -132,33 +154,133 @@ def validate_manifest(manifest: Manifest) -> None:
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Deterministic JSON bytes of a valid manifest."""
+    """Deterministic JSON bytes of a valid manifest listing every segment itself (no pages: the
+    form of a small archive, and of manifests written before pages)."""
     validate_manifest(manifest)
-    return orjson.dumps(manifest.to_json(), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
+    return orjson.dumps(manifest.to_json(), option=_ENCODING) + b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestPage:
+    """A page of the segment list as ``manifest.json`` names it: the segments ``first_index`` to
+    ``last_index``, their sequence range and events in all, and the page object's size and hash."""
+
+    first_index: int
+    last_index: int
+    first_sequence: int
+    last_sequence: int
+    event_count: int
+    size: int
+    #: Lowercase hex SHA-256 of the page object's bytes.
+    hash: str
+
+    def key(self, lineage: uuid.UUID) -> str:
+        """The page object's key."""
+        return manifest_page_key(lineage, self.first_index, self.last_index)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_index": self.first_index, "last_index": self.last_index,
+                "first_sequence": self.first_sequence, "last_sequence": self.last_sequence,
+                "event_count": self.event_count, "size": self.size, "hash": self.hash}
+
+
+def encode_page(lineage: uuid.UUID, segments: Sequence[ManifestSegment],
+                format_version: int = FORMAT_VERSION) -> tuple[ManifestPage, bytes]:
+    """A page of consecutive ``segments`` (already validated as a manifest's): its entry and bytes."""
+    if not segments:
+        raise ManifestError("a manifest page holds at least one segment")
+    data = orjson.dumps({"format_version": format_version, "lineage": str(lineage),
+                         "segments": [s.to_json() for s in segments]}, option=_ENCODING) + b"\n"
+    page = ManifestPage(segments[0].index, segments[-1].index, segments[0].first_sequence,
+                        segments[-1].last_sequence, sum(s.event_count for s in segments), len(data),
+                        hashlib.sha256(data).hexdigest())
+    return page, data
+
+
+def encode_paged(lineage: uuid.UUID, parent_lineage: uuid.UUID | None, pages: Sequence[ManifestPage],
+                 tail: Sequence[ManifestSegment], format_version: int = FORMAT_VERSION) -> bytes:
+    """``manifest.json`` naming ``pages`` (their objects written first) and listing ``tail``, the
+    segments after the last page."""
+    return orjson.dumps({"format_version": format_version, "lineage": str(lineage),
+                         "parent_lineage": None if parent_lineage is None else str(parent_lineage),
+                         "pages": [p.to_json() for p in pages], "segments": [s.to_json() for s in tail]},
+                        option=_ENCODING) + b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestDocument:
+    """``manifest.json`` as decoded: its pages (not fetched yet) and the segments after them."""
+
+    lineage: uuid.UUID
+    parent_lineage: uuid.UUID | None
+    format_version: int
+    pages: tuple[ManifestPage, ...]
+    tail: tuple[ManifestSegment, ...]
+
+    def page_keys(self) -> list[str]:
+        """The keys of the page objects :meth:`assemble` needs, in order."""
+        return [p.key(self.lineage) for p in self.pages]
+
+    def assemble(self, pages: Sequence[bytes | Sequence[ManifestSegment]]) -> Manifest:
+        """The whole manifest, from each page's bytes (or its segments, already checked by an
+        earlier :meth:`assemble` of a page with the same hash) in :meth:`page_keys` order;
+        ManifestError naming the first page that is not the one listed."""
+        if len(pages) != len(self.pages):
+            raise ManifestError(f"{len(self.pages)} manifest pages are listed, {len(pages)} were given")
+        segments: list[ManifestSegment] = []
+        for page, given in zip(self.pages, pages, strict=True):
+            segments.extend(given if not isinstance(given, bytes) else self.page_segments(page, given))
+        manifest = Manifest(self.lineage, self.parent_lineage, (*segments, *self.tail), self.format_version)
+        validate_manifest(manifest)
+        return manifest
+
+    def page_segments(self, page: ManifestPage, data: bytes) -> tuple[ManifestSegment, ...]:
+        """The segments of ``page``'s object ``data``, checked against its entry."""
+        where = f"manifest page {page.first_index}-{page.last_index}"
+        if len(data) != page.size or hashlib.sha256(data).hexdigest() != page.hash:
+            raise ManifestError(f"{where} is not the page the manifest lists (its size or SHA-256 differs)")
+        top = _object(_json(data, where), where, _PAGE_DOCUMENT_KEYS)
+        if _uuid(top["lineage"], f"{where}.lineage") != self.lineage or \
+                _int(top["format_version"], f"{where}.format_version") != self.format_version:
+            raise ManifestError(f"{where} names another lineage or format version than the manifest")
+        segments = _segments(top["segments"], f"{where}.segments")
+        if (not segments or (segments[0].index, segments[-1].index) != (page.first_index, page.last_index)
+                or (segments[0].first_sequence, segments[-1].last_sequence) != (page.first_sequence, page.last_sequence)
+                or sum(s.event_count for s in segments) != page.event_count):
+            raise ManifestError(f"{where} does not hold the segments, range and events its entry names")
+        return segments
+
+
+def parse_manifest(data: bytes) -> ManifestDocument:
+    """Parse ``manifest.json``; ManifestError naming the first problem. The page entries must run
+    on from each other and the tail follow the last page; every other rule is checked when the
+    pages are assembled."""
+    top = _object(_json(data, "manifest"), "manifest", _PAGED_TOP_KEYS, optional=frozenset({"pages"}))
+    parent = top["parent_lineage"]
+    pages_raw = top.get("pages", [])
+    if not isinstance(pages_raw, list):
+        raise ManifestError("pages is not a list")
+    pages = tuple(_page(p, f"pages[{i}]") for i, p in enumerate(pages_raw))
+    next_index = 0
+    for i, p in enumerate(pages):
+        if p.first_index != next_index or p.last_index < p.first_index:
+            raise ManifestError(f"pages[{i}] covers segments {p.first_index}-{p.last_index}, expected a run "
+                                f"starting at {next_index}")
+        next_index = p.last_index + 1
+    tail = _segments(top["segments"], "segments")
+    if tail and tail[0].index != next_index:
+        raise ManifestError(f"segments[0].index is {tail[0].index}, expected {next_index} (after the last page)")
+    return ManifestDocument(_uuid(top["lineage"], "lineage"), None if parent is None else _uuid(parent, "parent_lineage"),
+                            _int(top["format_version"], "format_version"), pages, tail)
 
 
 def decode_manifest(data: bytes) -> Manifest:
-    """Parse and validate manifest bytes; ManifestError naming the first problem."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        raw = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        raise ManifestError("manifest is not valid JSON") from None
-    top = _object(raw, "manifest", _TOP_KEYS)
-    segments_raw = top["segments"]
-    if not isinstance(segments_raw, list):
-        raise ManifestError("segments is not a list")
-    segments = tuple(_segment(s, f"segments[{i}]") for i, s in enumerate(segments_raw))
-    parent = top["parent_lineage"]
-    manifest = Manifest(
-        lineage=_uuid(top["lineage"], "lineage"),
-        parent_lineage=None if parent is None else _uuid(parent, "parent_lineage"),
-        segments=segments,
-        format_version=_int(top["format_version"], "format_version"),
-    )
-    validate_manifest(manifest)
-    return manifest
+    """Parse and validate manifest bytes that name no pages; ManifestError naming the first problem
+    (one that names pages is read with :func:`parse_manifest` and :meth:`ManifestDocument.assemble`)."""
+    document = parse_manifest(data)
+    if document.pages:
+        raise ManifestError(f"the manifest names {len(document.pages)} pages; fetch them to read it whole")
+    return document.assemble([])
 
 
 def manifest_of(lineage: uuid.UUID, parent_lineage: uuid.UUID | None,
@@ -169,13 +291,43 @@ def manifest_of(lineage: uuid.UUID, parent_lineage: uuid.UUID | None,
     return manifest
 
 
-def _object(value: Any, where: str, keys: set[str]) -> Mapping[str, Any]:
+def _json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise ManifestError(f"{where} is not valid JSON") from None
+
+
+def _object(value: Any, where: str, keys: set[str], optional: frozenset[str] = frozenset()) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ManifestError(f"{where} is not an object")
-    if set(value) != keys:
-        missing, extra = sorted(keys - set(value)), sorted(set(value) - keys)
+    if not keys - optional <= set(value) <= keys:
+        missing, extra = sorted(keys - optional - set(value)), sorted(set(value) - keys)
         raise ManifestError(f"{where} has missing keys {missing} or unknown keys {extra}")
     return value
+
+
+def _segments(value: Any, where: str) -> tuple[ManifestSegment, ...]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{where} is not a list")
+    return tuple(_segment(s, f"{where}[{i}]") for i, s in enumerate(value))
+
+
+def _page(value: Any, where: str) -> ManifestPage:
+    p = _object(value, where, _PAGE_KEYS)
+    if not isinstance(p["hash"], str) or not _HEX_HASH.fullmatch(p["hash"]):
+        raise ManifestError(f"{where}.hash is not 64 lowercase hex digits")
+    first_index, last_index, first_sequence, last_sequence, event_count, size = (
+        _int(p[k], f"{where}.{k}")
+        for k in ("first_index", "last_index", "first_sequence", "last_sequence", "event_count", "size"))
+    page = ManifestPage(first_index, last_index, first_sequence, last_sequence, event_count, size, p["hash"])
+    if not (0 <= page.first_index <= page.last_index <= MAX_INDEX
+            and 0 < page.first_sequence <= page.last_sequence <= MAX_SEQUENCE and page.event_count > 0
+            and 0 < page.size <= MAX_MANIFEST_BYTES):
+        raise ManifestError(f"{where} has an index, range, count or size out of bounds")
+    return page
 
 
 def _int(value: Any, where: str) -> int:

@@ -41,7 +41,7 @@ from protocol.archive import (
 )
 from protocol.archive_private import AgentRecord, OperationRecord, PrivateRecord, encode_private_record
 from protocol.checkpoint import Checkpoint, SignerKey, generate_signer_key, sign_checkpoint
-from protocol.manifest import encode_manifest, manifest_of
+from protocol.manifest import encode_page, encode_paged, manifest_of
 from protocol.merkle import CompactTree
 from tests.corpus_fixtures import Stack
 from tests.s3_server import S3Server
@@ -62,6 +62,9 @@ class Archived:
         s = self.segments[index]
         return segment_key(self.lineage, s.index, s.first_sequence, s.last_sequence)
 
+
+#: Segments per manifest page in these fixtures: small, so that every archive the tests read has pages.
+MANIFEST_PAGE = 3
 
 async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int = 5,
                            key: SignerKey | None = None, private: bool = True) -> Archived:
@@ -88,7 +91,15 @@ async def archive_database(db: Target, store: ArchiveStore, *, per_segment: int 
                         sign_checkpoint(Checkpoint(key.name, tree.size, tree.root()), key).encode())
         segments.append(segment)
         previous = segment.hash
-    await store.replace(manifest_key(lineage), encode_manifest(manifest_of(lineage, None, segments)))
+    # Paged as the archiver pages it (pages of MANIFEST_PAGE segments, then the rest in manifest.json).
+    listed = manifest_of(lineage, None, segments).segments
+    pages = []
+    for first in range(0, len(listed) - len(listed) % MANIFEST_PAGE, MANIFEST_PAGE):
+        page, page_data = encode_page(lineage, listed[first:first + MANIFEST_PAGE])
+        await store.put(page.key(lineage), page_data)
+        pages.append(page)
+    await store.replace(manifest_key(lineage),
+                        encode_paged(lineage, None, pages, listed[len(pages) * MANIFEST_PAGE:]))
     if private:
         records: list[PrivateRecord] = [
             AgentRecord(a["agent_id"], a["name"], a["description"], bytes(a["credential_hash"]), a["onboarded_at"],
@@ -116,7 +127,8 @@ async def archiving(stack: Stack, store: ArchiveStore, signer: SignerKey | None 
     """The real archiver actor on the stack's bus and database, sealing small segments, for the block."""
     signer = signer or generate_signer_key(archive_origin(stack.identity.corpus_id))
     archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store, signer=signer,
-                        node_id="recovery-test", policy=SealPolicy(events=4, seconds=0.1), sweep_interval=0.1)
+                        node_id="recovery-test", policy=SealPolicy(events=4, seconds=0.1), sweep_interval=0.1,
+                        manifest_page=MANIFEST_PAGE)
     await archiver.start()
     try:
         yield archiver

@@ -22,7 +22,10 @@ from protocol.manifest import (
     ManifestSegment,
     decode_manifest,
     encode_manifest,
+    encode_page,
+    encode_paged,
     manifest_of,
+    parse_manifest,
 )
 
 LINEAGE = uuid.UUID("0b8f3a52-7c1d-4e6f-9a2b-3c4d5e6f7a8b")
@@ -41,6 +44,42 @@ def _decoded_chain(count: int) -> list:
         out.append(seg)
         previous = seg.hash
     return out
+
+
+def test_a_paged_manifest_reads_whole_and_every_page_is_checked_against_its_entry() -> None:
+    listed = manifest_of(LINEAGE, PARENT, _decoded_chain(7)).segments
+    pages = [encode_page(LINEAGE, listed[0:3]), encode_page(LINEAGE, listed[3:6])]
+    data = encode_paged(LINEAGE, PARENT, [p for p, _ in pages], listed[6:])
+    document = parse_manifest(data)
+    assert document.page_keys() == [f"{LINEAGE}/manifest-pages/0000000000-0000000002",
+                                    f"{LINEAGE}/manifest-pages/0000000003-0000000005"]
+    whole = document.assemble([b for _, b in pages])
+    assert whole == manifest_of(LINEAGE, PARENT, _decoded_chain(7))  # the same as listing every segment
+    assert encode_paged(LINEAGE, PARENT, document.pages, document.tail) == data  # deterministic
+    entry = orjson.loads(data)["pages"][0]
+    assert entry == {"first_index": 0, "last_index": 2, "first_sequence": 1, "last_sequence": 23, "event_count": 9,
+                     "size": len(pages[0][1]), "hash": hashlib.sha256(pages[0][1]).hexdigest()}
+    with pytest.raises(ManifestError, match="fetch them"):
+        decode_manifest(data)  # a reader that would not fetch the pages
+    # A page that is not the one named: other bytes, another page in its place, one missing.
+    with pytest.raises(ManifestError, match="size or SHA-256"):
+        document.assemble([pages[0][1].replace(b'"event_count": 3', b'"event_count": 2', 1), pages[1][1]])
+    with pytest.raises(ManifestError, match="size or SHA-256"):
+        document.assemble([pages[1][1], pages[0][1]])
+    with pytest.raises(ManifestError, match="listed"):
+        document.assemble([pages[0][1]])
+    # Entries that do not run on from each other, or a tail that does not follow the last page.
+    with pytest.raises(ManifestError, match="expected a run"):
+        parse_manifest(encode_paged(LINEAGE, PARENT, [pages[1][0]], listed[6:]))
+    with pytest.raises(ManifestError, match="after the last page"):
+        parse_manifest(encode_paged(LINEAGE, PARENT, [p for p, _ in pages], listed[5:]))
+    raw = orjson.loads(data)
+    raw["pages"][0]["extra"] = 1
+    with pytest.raises(ManifestError, match="unknown keys"):
+        parse_manifest(orjson.dumps(raw))
+    # A manifest written before pages existed (no "pages" key) reads as it did.
+    legacy = encode_manifest(manifest_of(LINEAGE, PARENT, _decoded_chain(7)))
+    assert b'"pages"' not in legacy and parse_manifest(legacy).assemble([]) == whole
 
 
 def test_manifest_round_trip_and_determinism() -> None:

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import uuid
 from pathlib import Path
 
+import obstore
 import pytest
 
 from actors.archiver import SealPolicy
 from actors.reads.archive import inclusion_proof
+from actors.recovery.walk import StoreSource, read_manifest
 from actors.web.archive import ARCHIVE_STORE
-from protocol.archive import Stream, change_body, decode_segment
+from protocol.archive import Stream, change_body, decode_segment, manifest_page_name
 from protocol.checkpoint import SignerKey, parse_verifier_key, verify_checkpoint
-from protocol.manifest import decode_manifest
+from protocol.manifest import decode_manifest, parse_manifest
 from protocol.merkle import inclusion_proof as merkle_inclusion_proof
 from protocol.merkle import leaf_hash, tree_root, verify_inclusion
+from tests.archive_fixtures import raw_store
 from tests.corpus_fixtures import Stack
 from tests.test_archiver import archiving, local, published, segments, signer_for, until, write_messages
 
@@ -168,6 +172,51 @@ async def test_the_manifest_route_serves_the_published_manifest(stack: Stack, tm
     assert resp.headers["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"'
     bad = await stack.client.get("/corpus/archive/manifest.json?full=1")
     assert bad.status == 400 and (await bad.json())["error"]["code"]
+
+
+async def test_the_manifest_is_paged_and_its_pages_are_served_as_written(stack: Stack, tmp_path: Path) -> None:
+    """Full runs of ``manifest_page`` segments go to write-once pages that manifest.json names (it
+    lists only the segments after the last page, so it stays small); a later activation finds its
+    pages identical; each page is served with its hash as ETag, only while it hashes to its entry."""
+    store = local(tmp_path)
+    stack.client.app[ARCHIVE_STORE]["store"] = store
+    await write_messages(stack, 10)
+    signer = signer_for(stack)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer,
+                         manifest_page=2) as first:
+        await published(stack, 5)
+    lineage = stack.identity.lineage
+    document = parse_manifest(await store.get(f"{lineage}/manifest.json"))
+    assert [(p.first_index, p.last_index) for p in document.pages] == [(0, 1), (2, 3)]
+    assert [s.index for s in document.tail] == [4]
+    assert first.puts.get("created", 0) >= 2
+    # A new activation builds its pages from the database and finds the stored ones identical.
+    await write_messages(stack, 4)
+    async with archiving(stack, store, SealPolicy(events=2, seconds=3600), signer=signer,
+                         manifest_page=2, node_id="arch-b") as second:
+        await published(stack, 7)
+    assert second.puts.get("already_present", 0) >= 2, second.puts
+    document = parse_manifest(await store.get(f"{lineage}/manifest.json"))
+    assert [(p.first_index, p.last_index) for p in document.pages] == [(0, 1), (2, 3), (4, 5)]
+    assert [s.index for s in document.tail] == [6]
+    manifest, keys = await read_manifest(StoreSource(store), uuid.UUID(str(lineage)),
+                                         await store.get(f"{lineage}/manifest.json"))
+    assert [s.index for s in manifest.segments] == list(range(7)) and len(keys) == 3
+    # Served as stored, immutable, ETag its hash; 304 on a match; unknown names 404.
+    page = document.pages[1]
+    resp = await stack.client.get(f"/corpus/archive/manifest-pages/{manifest_page_name(2, 3)}")
+    assert resp.status == 200 and await resp.read() == await store.get(page.key(document.lineage))
+    assert resp.headers["ETag"] == f'"{page.hash}"' and "immutable" in resp.headers["Cache-Control"]
+    again = await stack.client.get(f"/corpus/archive/manifest-pages/{manifest_page_name(2, 3)}",
+                                   headers={"If-None-Match": resp.headers["ETag"]})
+    assert again.status == 304
+    for name in (manifest_page_name(6, 7), "0000000000-0000000001x", "..%2Fmanifest.json"):
+        resp = await stack.client.get(f"/corpus/archive/manifest-pages/{name}")
+        assert resp.status == 404 and (await resp.json())["error"]["code"], name
+    # A page changed in the store is not handed out as the archive's.
+    await obstore.put_async(raw_store(store), page.key(document.lineage), b'{"tampered": true}\n')
+    resp = await stack.client.get(f"/corpus/archive/manifest-pages/{manifest_page_name(2, 3)}")
+    assert resp.status == 503 and (await resp.json())["error"]["code"]
 
 
 @pytest.mark.parametrize("path, status", [

@@ -25,7 +25,7 @@ from actors.recovery.verify import VerifyReport, verify_archive
 from actors.recovery.walk import StoreSource
 from infra.archive_store import ArchiveStore
 from infra.db import Database, ensure_identity
-from protocol.archive import HEADER_SIZE, TRAILER_SIZE, checkpoint_key
+from protocol.archive import HEADER_SIZE, TRAILER_SIZE, checkpoint_key, manifest_page_key
 from protocol.checkpoint import Checkpoint, generate_signer_key, sign_checkpoint
 from protocol.errors import ConfigError
 from tests.archive_fixtures import (
@@ -165,6 +165,22 @@ async def _edit_database_event(db: Database, store: ArchiveStore, a: Archived) -
     return sequence
 
 
+def _first_page(a: Archived) -> str:
+    return manifest_page_key(a.lineage, 0, 2)  # the fixtures' archiver writes pages of 3 segments
+
+
+async def _flip_page_byte(db: Database, store: ArchiveStore, a: Archived) -> None:
+    await _rewrite(store, _first_page(a), lambda d: d.replace(b'"event_count": ', b'"event_count":  ', 1))
+
+
+async def _delete_page(db: Database, store: ArchiveStore, a: Archived) -> None:
+    await obstore.delete_async(raw_store(store), _first_page(a))
+
+
+async def _extra_page(db: Database, store: ArchiveStore, a: Archived) -> None:
+    await store.put(manifest_page_key(a.lineage, 9_000, 9_002), b"{}")
+
+
 #: (tampering, the finding kind, the segment index it is about or None, whether the key names it).
 TAMPERINGS: dict[str, tuple[Tamper, str, int | None]] = {
     "flipped_byte": (_flip_byte, "crc_mismatch", 1),
@@ -175,6 +191,9 @@ TAMPERINGS: dict[str, tuple[Tamper, str, int | None]] = {
     "wrong_signature": (_forge_signature, "bad_signature", None),
     "not_extending": (_fork_older_checkpoint, "does_not_extend", None),
     "database_edited": (_edit_database_event, "event_mismatch", None),
+    "manifest_page_changed": (_flip_page_byte, "invalid_manifest", None),
+    "manifest_page_missing": (_delete_page, "missing_manifest_page", None),
+    "manifest_page_extra": (_extra_page, "orphan_object", None),
 }
 
 
@@ -196,6 +215,10 @@ async def test_each_tampering_is_reported_precisely(db: Database, store: Archive
         assert found[0].sequence == archived.segments[1].events[0].sequence
     if name == "extra_object":
         assert found[0].key == f"{archived.lineage}/segments/stray"
+    if name in ("manifest_page_missing", "manifest_page_changed"):
+        assert _first_page(archived) in (found[0].key or "") + found[0].message, found[0]
+    if name == "manifest_page_extra":
+        assert found[0].key == manifest_page_key(archived.lineage, 9_000, 9_002)
     if name == "wrong_signature":
         assert found[0].key == checkpoint_key(archived.lineage, archived.size)
     if name == "not_extending":

@@ -49,7 +49,7 @@ from protocol.archive import (
 )
 from protocol.archive_private import AgentRecord, OperationRecord, decode_private_record
 from protocol.checkpoint import SignerKey, generate_signer_key, parse_verifier_key, verify_checkpoint
-from protocol.manifest import decode_manifest
+from protocol.manifest import PAGE_SEGMENTS, decode_manifest
 from protocol.merkle import CompactTree
 from tests.corpus_fixtures import Stack
 from tests.s3_server import S3Server, seaweedfs, sloppy_s3
@@ -65,12 +65,13 @@ def signer_for(stack: Stack) -> SignerKey:
 async def archiving(stack: Stack, store: ArchiveStore, policy: SealPolicy, *, node_id: str = "arch-a",
                     signer: SignerKey | None = None,
                     store_backoff: tuple[float, float] = STORE_BACKOFF,
-                    batch_segments: int = BATCH_SEGMENTS) -> AsyncIterator[Archiver]:
+                    batch_segments: int = BATCH_SEGMENTS, manifest_page: int = PAGE_SEGMENTS,
+                    ) -> AsyncIterator[Archiver]:
     """An archiver on the stack's bus and database, running for the block."""
     archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store,
                         signer=signer or signer_for(stack), node_id=node_id, policy=policy,
                         sweep_interval=0.2, standby_interval=0.2, store_backoff=store_backoff,
-                        batch_segments=batch_segments)
+                        batch_segments=batch_segments, manifest_page=manifest_page)
     await archiver.start()
     try:
         yield archiver

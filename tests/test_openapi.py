@@ -237,7 +237,7 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
 
     store = local(tmp_path)
     stack.client.app[ARCHIVE_STORE]["store"] = store
-    async with archiving(stack, store, SealPolicy(events=2, seconds=0)):
+    async with archiving(stack, store, SealPolicy(events=2, seconds=0), manifest_page=2):
         async def archived() -> bool:
             head = await stack.db.pool.fetchval("select max(sequence) from changes")
             through = await stack.db.pool.fetchval("select published_through from archive_watermarks where stream = 0")
@@ -307,6 +307,12 @@ async def test_real_answers_follow_the_document(stack: Stack, doc: dict[str, Any
     await get(segment, 304, **{"If-None-Match": segment_etag})
     manifest_etag = (await get(archive["links"]["manifest"]))["ETag"]
     await get(archive["links"]["manifest"], 304, **{"If-None-Match": manifest_etag})
+    pages = orjson.loads(await (await client.get(archive["links"]["manifest"])).read())["pages"]
+    assert pages, "the seed's archive has manifest pages (pages of 2 segments)"
+    page = f"/corpus/archive/manifest-pages/{pages[0]['first_index']:010d}-{pages[0]['last_index']:010d}"
+    page_etag = (await get(page))["ETag"]
+    await get(page, 304, **{"If-None-Match": page_etag})
+    await get("/corpus/archive/manifest-pages/0000000000-0000000099", 404)
     await get(f"/corpus/archive/checkpoints/{archive['tree_size']}")
     await get(f"/corpus/archive/proof?sequence={archive['segments'][0]['first_sequence']}")
     await get(f"/corpus/archive/proof?sequence=1&size={archive['tree_size']}")

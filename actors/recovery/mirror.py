@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,7 @@ import orjson
 
 from actors.reads.archive import MANIFEST_PATH
 from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, decode_events
+from actors.recovery.walk import PageCache, read_manifest
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
 from infra.config import redact_url
 from infra.db import Database, connection
@@ -49,6 +51,7 @@ from infra.outages import DB_UNAVAILABLE_ERRORS
 from infra.runtime import Actor
 from protocol.archive import (
     GENESIS_HASH,
+    MANIFEST_PAGES_DIR,
     MAX_SEGMENT_BYTES,
     ArchiveFormatError,
     Stream,
@@ -66,7 +69,6 @@ from protocol.manifest import (
     MAX_MANIFEST_BYTES,
     ManifestError,
     ManifestSegment,
-    decode_manifest,
     encode_manifest,
 )
 from protocol.manifest import Manifest as ManifestValue
@@ -111,6 +113,9 @@ class MirrorState:
         return {"tree_size": self.tree.size, "root": self.tree.root().hex(), "segments": self.segment_index + 1,
                 "verified_through": self.verified_through, "applied_through": self.applied_through,
                 "checkpoint_size": self.checkpoint_size}
+
+
+_PAGE_NAME = re.compile(r"\d{10}-\d{10}")
 
 
 class NodeArchiveSource:
@@ -165,6 +170,9 @@ class NodeArchiveSource:
         if parsed is not None and parsed.stream is Stream.PUBLIC:
             name = segment_name(parsed.index, parsed.first_sequence, parsed.last_sequence)
             return await self._fetch(f"/corpus/archive/segments/{name}", max_bytes)
+        page = rest.removeprefix(MANIFEST_PAGES_DIR + "/")
+        if page != rest and _PAGE_NAME.fullmatch(page):
+            return await self._fetch(f"/corpus/archive/{MANIFEST_PAGES_DIR}/{page}", max_bytes)
         if rest.startswith("checkpoints/") and rest[len("checkpoints/"):].isdigit():
             return await self._fetch(f"/corpus/archive/checkpoints/{int(rest[len('checkpoints/'):])}", max_bytes)
         raise ObjectNotFound(f"{self.description} serves no {key}")
@@ -235,6 +243,8 @@ class Mirror:
         self.progress = progress
         self.state: MirrorState | None = None
         self._tail_limit = TAIL_PAGE  # changes asked per tail page (halved after a page too large)
+        #: Manifest pages already checked (write-once: each is fetched once per run, not every round).
+        self._pages: PageCache = {}
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -289,7 +299,12 @@ class Mirror:
 
     async def archive_round(self) -> bool:
         """Verify and apply the segments published since the last round; True when some were."""
-        manifest = decode_manifest(await self._get(manifest_key(self.lineage), MAX_MANIFEST_BYTES))
+        try:
+            manifest, _ = await read_manifest(self.source, self.lineage,
+                                              await self._get(manifest_key(self.lineage), MAX_MANIFEST_BYTES),
+                                              self._pages)
+        except ObjectNotFound as e:
+            raise MirrorError(f"{self.source.description} has no {e}, which its manifest names") from None
         if manifest.lineage != self.lineage:
             raise MirrorError(f"the manifest is of lineage {manifest.lineage}")
         if not manifest.segments:

@@ -5,8 +5,9 @@ archive routes), in this order:
 
 1. the verifier key: the one the caller pins, else the archive's own ``public-key.txt`` (the report
    then says the key was not pinned); a pinned key that differs from the published one is a finding;
-2. ``manifest.json`` (strictly decoded) and, where the source can list, every key under the lineage:
-   missing and orphan objects (:func:`protocol.archive_check.check_listing`);
+2. ``manifest.json`` and its pages (strictly decoded, each page against its entry: :func:`read_manifest`)
+   and, where the source can list, every key under the lineage: missing and orphan objects
+   (:func:`protocol.archive_check.check_listing`);
 3. every checkpoint under ``checkpoints/``: each note's signature and origin;
 4. every segment in index order through :class:`~protocol.archive_check.ChainChecker` (frames, CRCs,
    hashes, previous-hash links, identity against the manifest), yielding the ones that pass, so the
@@ -53,7 +54,7 @@ from protocol.checkpoint import (
     parse_verifier_key,
     verify_checkpoint,
 )
-from protocol.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode_manifest
+from protocol.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, ManifestSegment, parse_manifest
 from protocol.merkle import CompactTree
 
 #: Checkpoints read per walk at most (older ones beyond this are not checked, and the report says so).
@@ -72,6 +73,44 @@ class ArchiveSource(Protocol):
     async def keys(self, prefix: str) -> list[str] | None:
         """Every key under ``prefix`` + "/", or None when this source cannot list."""
         ...
+
+
+class ManifestPageError(ManifestError):
+    """A page the manifest names is not the one it names (``key``: the page's object key)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+#: Pages already checked, by their SHA-256 (a page is write-once, so the same hash is the same page).
+PageCache = dict[str, tuple[ManifestSegment, ...]]
+
+
+async def read_manifest(source: ArchiveSource, lineage: uuid.UUID, data: bytes,
+                        cache: PageCache | None = None) -> tuple[Manifest, list[str]]:
+    """The whole manifest of ``lineage`` from its ``manifest.json`` bytes ``data`` and the pages it
+    names (fetched from ``source``, each checked against its entry; those in ``cache`` are not
+    fetched again), and the pages' keys. ManifestError for a ``manifest.json`` that does not
+    decode, :class:`ManifestPageError` for a page that is not the one named, ObjectNotFound (naming
+    its key) for one that is gone."""
+    document = parse_manifest(data)
+    pages: list[tuple[ManifestSegment, ...]] = []
+    for page, key in zip(document.pages, document.page_keys(), strict=True):
+        known = cache.get(page.hash) if cache is not None else None
+        if known is None:
+            try:
+                fetched = await source.get(key, max_bytes=MAX_MANIFEST_BYTES)
+            except ObjectNotFound:
+                raise ObjectNotFound(key) from None
+            try:
+                known = document.page_segments(page, fetched)
+            except ManifestError as e:
+                raise ManifestPageError(key, str(e)) from None
+            if cache is not None:
+                cache[page.hash] = known
+        pages.append(known)
+    return document.assemble(pages), document.page_keys()
 
 
 class StoreSource:
@@ -176,9 +215,18 @@ class ArchiveWalk:
             self._find("missing_manifest", f"{key} is absent: nothing to verify", key=key)
             return False
         try:
-            manifest = decode_manifest(data)
+            manifest, page_keys = await read_manifest(self.source, self.lineage, data)
+        except ManifestPageError as e:
+            self._find("invalid_manifest", str(e), key=e.key)
+            return False
         except ManifestError as e:
             self._find("invalid_manifest", str(e), key=key)
+            return False
+        except ObjectNotFound as e:
+            self._find("missing_manifest_page", f"{e} is named by the manifest but absent", key=str(e))
+            return False
+        except ArchiveStoreError as e:
+            self._find("unreadable_object", str(e), key=key)
             return False
         if manifest.lineage != self.lineage:
             self._find("identity_mismatch", f"the manifest is of lineage {manifest.lineage}", key=key)
@@ -190,7 +238,7 @@ class ArchiveWalk:
         self.summary.archived_through = manifest.archived_through
         listed = await self._keys(str(self.lineage))
         if listed is not None:
-            self.summary.findings.extend(check_listing(manifest, listed))
+            self.summary.findings.extend(check_listing(manifest, listed, pages=page_keys))
             checkpoint_keys = sorted(k for k in listed if k.startswith(f"{self.lineage}/checkpoints/"))
         else:
             checkpoint_keys = []

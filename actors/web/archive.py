@@ -22,9 +22,9 @@ from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from infra.archive_store import ArchiveStore, ArchiveStoreError, ObjectNotFound
 from infra.http import etag_matches, json_response
 from infra.logs import get_logger
-from protocol.archive import manifest_key
+from protocol.archive import MANIFEST_PAGES_DIR, manifest_key, manifest_page_name
 from protocol.errors import NotFound, ServiceUnavailable
-from protocol.manifest import MAX_MANIFEST_BYTES
+from protocol.manifest import MAX_MANIFEST_BYTES, ManifestError, parse_manifest
 from protocol.query import Query, invalid
 
 #: Segments and checkpoints never change once published.
@@ -121,6 +121,45 @@ async def manifest(request: web.Request) -> web.Response:
     return web.Response(body=data, headers=headers, content_type="application/json")
 
 
+async def manifest_page(request: web.Request) -> web.Response:
+    """``GET /corpus/archive/manifest-pages/{name}``: a page the published manifest names, as the
+    store holds it, served only when its bytes hash to the manifest's entry (``ETag`` = that
+    hash; a page never changes once written)."""
+    _corpus_id, lineage = node_identity(request)
+    Query(request.query, ())
+    name = request.match_info["name"]
+    store = archive_store(request.app)
+    if store is None:
+        raise _no_page()
+    try:
+        document = parse_manifest(await store.get(manifest_key(uuid.UUID(lineage)), max_bytes=MAX_MANIFEST_BYTES))
+    except ObjectNotFound:
+        raise _no_page() from None
+    except (ArchiveStoreError, ManifestError):
+        raise _unavailable() from None
+    entry = next((p for p in document.pages if manifest_page_name(p.first_index, p.last_index) == name), None)
+    if entry is None:
+        raise _no_page()
+    etag = f'"{entry.hash}"'
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
+    if etag_matches(request.headers.get("If-None-Match"), etag):
+        return web.Response(status=304, headers=headers)
+    try:
+        data = await store.get(entry.key(document.lineage), max_bytes=MAX_MANIFEST_BYTES)
+    except (ObjectNotFound, ArchiveStoreError):
+        raise _unavailable() from None
+    if hashlib.sha256(data).hexdigest() != entry.hash:
+        log.error("archive.manifest_page_tampered", name=name,
+                  detail="the stored object is not the page the manifest names; not served")
+        raise _unavailable()
+    return web.Response(body=data, headers=headers, content_type="application/json")
+
+
+def _no_page() -> NotFound:
+    return NotFound("The published manifest names no page of this name.",
+                    how_to_proceed="Take page names from the pages of GET /corpus/archive/manifest.json.")
+
+
 def _no_manifest() -> NotFound:
     return NotFound("No archive manifest is published yet.",
                     how_to_proceed="Retry once GET /corpus/archive shows a checkpoint.")
@@ -162,6 +201,7 @@ def add_routes(app: web.Application) -> None:
     app[ARCHIVE_STORE] = {}
     app.router.add_get(reads.ARCHIVE_PATH, archive_info)
     app.router.add_get(reads.MANIFEST_PATH, manifest)
+    app.router.add_get(reads.ARCHIVE_PATH + f"/{MANIFEST_PAGES_DIR}/{{name}}", manifest_page)
     app.router.add_get(reads.SEGMENTS_PATH + "/{name}", segment)
     app.router.add_get(reads.CHECKPOINTS_PATH + "/{size}", checkpoint)
     app.router.add_get(reads.PROOF_PATH, proof)

@@ -486,11 +486,23 @@ def _paths() -> dict[str, Schema]:
                       "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
                       "503": _r("ServiceUnavailable")}}}
     paths[archive_reads.MANIFEST_PATH] = {"get": {
-        "operationId": "archive_manifest", "summary": "The published manifest.json, as stored: every published "
-                                                      "segment (docs/archive-format.md); ETag is its SHA-256.",
+        "operationId": "archive_manifest", "summary": "The published manifest.json, as stored: its pages and the "
+                                                      "published segments after them (docs/archive-format.md); "
+                                                      "ETag is its SHA-256.",
         "tags": ["corpus"],
         "parameters": [{"$ref": "#/components/parameters/IfNoneMatch"}],
         "responses": {"200": {"description": "The manifest.", "headers": _h("ETag"),
+                              "content": {JSON: {"schema": {"type": "object"}}}},
+                      "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
+                      "503": _r("ServiceUnavailable")}}}
+    paths[archive_reads.ARCHIVE_PATH + "/manifest-pages/{name}"] = {"get": {
+        "operationId": "archive_manifest_page",
+        "summary": "A page of the manifest's segment list (write-once), as stored; ETag is its SHA-256.",
+        "tags": ["corpus"],
+        "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                        "description": "<first index>-<last index> as a page entry of manifest.json names it."},
+                       {"$ref": "#/components/parameters/IfNoneMatch"}],
+        "responses": {"200": {"description": "The page.", "headers": {**_h("ETag"), **immutable},
                               "content": {JSON: {"schema": {"type": "object"}}}},
                       "304": _r("NotModified"), "400": _r("BadRequest"), "404": _r("NotFound"),
                       "503": _r("ServiceUnavailable")}}}
