@@ -413,70 +413,11 @@ async def test_a_token_without_the_read_scope_can_neither_listen_nor_subscribe(t
 
 # --- 2025-11-25: a notification while the session has no GET stream (in-process, both databases) ----
 
-async def test_a_notification_before_the_get_stream_opens_is_sent_when_it_opens(db: Database) -> None:
-    """A 2025-11-25 session subscribes over POST and is notified before it opens its GET stream
-    (the SDK's client opens it in the background after the handshake, and again after a cut): the
-    notification is held (at most one per resource) and sent as soon as the stream opens, instead
-    of being dropped by the transport."""
-    bus = InMemorySubscriptionBus()
-    legacy = LegacySubscriptions(bus, current_grant)
-
-    def register(server: MCPServer, deps: ToolDeps) -> None:
-        register_minimal_tools(server, deps)
-        register_subscriptions(server, ScopedListen(bus, current_grant), legacy)
-
-    port = _free_port()
-    settings = Settings(mcp_host="127.0.0.1", mcp_port=port)
-    app = build_app(settings, db, tools=register, subscriptions=bus, stream_opened=legacy.stream_opened)
-    server = make_server(app, host="127.0.0.1", port=port)
-    legacy.start()
-    task = asyncio.create_task(server.serve())
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while not server.started:
-            assert not task.done(), "uvicorn stopped while starting"
-            await asyncio.sleep(0.02)  # uvicorn reports readiness only through this flag
-        async with httpx.AsyncClient(timeout=30) as http:
-            _, tokens = await _tokens(http, base)
-            auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
-            r = await http.post(base + "/mcp", json=_INIT, headers=auth)
-            assert r.status_code == 200, r.text
-            session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
-            r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                                headers=session)
-            assert r.status_code == 202, r.text
-            r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
-                                                     "params": {"uri": CORPUS}}, headers=session)
-            assert r.status_code == 200 and "error" not in r.json(), r.text
-
-            await bus.publish(ResourceUpdated(uri=CORPUS))
-            assert legacy._sessions[session["Mcp-Session-Id"]].pending == {CORPUS}  # held, not sent
-
-            stream = {**session, "Accept": "text/event-stream"}
-            async with http.stream("GET", base + "/mcp", headers=stream) as events:
-                assert events.status_code == 200
-                async with asyncio.timeout(NOTIFIED_WITHIN):
-                    async for line in events.aiter_lines():
-                        if line.startswith("data:"):
-                            message = orjson.loads(line[5:])
-                            break
-            assert message["method"] == "notifications/resources/updated"
-            assert message["params"]["uri"] == CORPUS
-            assert legacy._sessions[session["Mcp-Session-Id"]].pending == set()
-    finally:
-        server.should_exit = True
-        async with asyncio.timeout(20):
-            await task
-        await legacy.close()
-
-
-async def test_one_agent_cannot_take_every_subscription_place(db: Database) -> None:
-    """Subscribed 2025-11-25 sessions and open listen streams are bounded per agent (of the
-    node's whole bound): past its share an agent is refused, and another agent still subscribes."""
-    bus = InMemorySubscriptionBus()
-    legacy = LegacySubscriptions(bus, current_grant, per_agent=2)
-    listen = ScopedListen(bus, current_grant, per_agent=1)
-
+@contextlib.asynccontextmanager
+async def serving_subscriptions(db: Database, bus: InMemorySubscriptionBus, listen: ScopedListen,
+                                legacy: LegacySubscriptions) -> AsyncIterator[str]:
+    """The MCP front in this process (uvicorn on a free port) with the minimal tools and these
+    subscription handlers; yields its base URL."""
     def register(server: MCPServer, deps: ToolDeps) -> None:
         register_minimal_tools(server, deps)
         register_subscriptions(server, listen, legacy)
@@ -487,49 +428,94 @@ async def test_one_agent_cannot_take_every_subscription_place(db: Database) -> N
     server = make_server(app, host="127.0.0.1", port=port)
     legacy.start()
     task = asyncio.create_task(server.serve())
-    base = f"http://127.0.0.1:{port}"
     try:
         while not server.started:
             assert not task.done(), "uvicorn stopped while starting"
             await asyncio.sleep(0.02)  # uvicorn reports readiness only through this flag
-        async with httpx.AsyncClient(timeout=30) as http:
-            _, greedy = await _tokens(http, base)
-            _, other = await _tokens(http, base)
-
-            async def subscribe(tokens: dict[str, Any]) -> dict[str, Any]:
-                auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
-                r = await http.post(base + "/mcp", json=_INIT, headers=auth)
-                session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
-                await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                                headers=session)
-                r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
-                                                         "params": {"uri": CORPUS}}, headers=session)
-                answer: dict[str, Any] = r.json()
-                return answer
-
-            assert "error" not in await subscribe(greedy) and "error" not in await subscribe(greedy)
-            refused = await subscribe(greedy)
-            assert "the most it may hold" in refused["error"]["message"], refused
-            assert "error" not in await subscribe(other)  # another agent is not shut out
-            assert legacy.sessions == 3
-
-            bearer = {"Authorization": f"Bearer {greedy['access_token']}"}
-            async with httpx2.AsyncClient(headers=bearer, timeout=60) as h1, _client(base + "/mcp", h1) as first, \
-                    first.listen(resource_subscriptions=[CORPUS]), \
-                    httpx2.AsyncClient(headers=bearer, timeout=60) as h2, _client(base + "/mcp", h2) as second:
-                with pytest.raises(MCPError) as again:
-                    async with second.listen(resource_subscriptions=[CORPUS]):
-                        pass
-                assert "listen streams open" in str(again.value)
-            # Closed, its place is free again (once the node has seen the stream end).
-            async with asyncio.timeout(20):
-                while listen._open:
-                    await asyncio.sleep(0.02)  # polling the bound's own count, bounded by the timeout
-            async with httpx2.AsyncClient(headers=bearer, timeout=60) as h3, _client(base + "/mcp", h3) as third, \
-                    third.listen(resource_subscriptions=[CORPUS]) as sub:
-                assert sub.honored.resource_subscriptions
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         async with asyncio.timeout(20):
             await task
         await legacy.close()
+
+
+async def test_a_notification_before_the_get_stream_opens_is_sent_when_it_opens(db: Database) -> None:
+    """A 2025-11-25 session subscribes over POST and is notified before it opens its GET stream
+    (the SDK's client opens it in the background after the handshake, and again after a cut): the
+    notification is held (at most one per resource) and sent as soon as the stream opens, instead
+    of being dropped by the transport."""
+    bus = InMemorySubscriptionBus()
+    legacy = LegacySubscriptions(bus, current_grant)
+    async with serving_subscriptions(db, bus, ScopedListen(bus, current_grant), legacy) as base, \
+            httpx.AsyncClient(timeout=30) as http:
+        _, tokens = await _tokens(http, base)
+        auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+        r = await http.post(base + "/mcp", json=_INIT, headers=auth)
+        assert r.status_code == 200, r.text
+        session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+        r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                            headers=session)
+        assert r.status_code == 202, r.text
+        r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
+                                                 "params": {"uri": CORPUS}}, headers=session)
+        assert r.status_code == 200 and "error" not in r.json(), r.text
+
+        await bus.publish(ResourceUpdated(uri=CORPUS))
+        assert legacy._sessions[session["Mcp-Session-Id"]].pending == {CORPUS}  # held, not sent
+
+        stream = {**session, "Accept": "text/event-stream"}
+        async with http.stream("GET", base + "/mcp", headers=stream) as events:
+            assert events.status_code == 200
+            async with asyncio.timeout(NOTIFIED_WITHIN):
+                async for line in events.aiter_lines():
+                    if line.startswith("data:"):
+                        message = orjson.loads(line[5:])
+                        break
+        assert message["method"] == "notifications/resources/updated"
+        assert message["params"]["uri"] == CORPUS
+        assert legacy._sessions[session["Mcp-Session-Id"]].pending == set()
+
+
+async def test_one_agent_cannot_take_every_subscription_place(db: Database) -> None:
+    """Subscribed 2025-11-25 sessions and open listen streams are bounded per agent (of the
+    node's whole bound): past its share an agent is refused, and another agent still subscribes."""
+    bus = InMemorySubscriptionBus()
+    legacy = LegacySubscriptions(bus, current_grant, per_agent=2)
+    listen = ScopedListen(bus, current_grant, per_agent=1)
+    async with serving_subscriptions(db, bus, listen, legacy) as base, httpx.AsyncClient(timeout=30) as http:
+        _, greedy = await _tokens(http, base)
+        _, other = await _tokens(http, base)
+
+        async def subscribe(tokens: dict[str, Any]) -> dict[str, Any]:
+            auth = {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+            r = await http.post(base + "/mcp", json=_INIT, headers=auth)
+            session = {**auth, "Mcp-Session-Id": r.headers["mcp-session-id"], "MCP-Protocol-Version": "2025-11-25"}
+            await http.post(base + "/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                            headers=session)
+            r = await http.post(base + "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "resources/subscribe",
+                                                     "params": {"uri": CORPUS}}, headers=session)
+            answer: dict[str, Any] = r.json()
+            return answer
+
+        assert "error" not in await subscribe(greedy) and "error" not in await subscribe(greedy)
+        refused = await subscribe(greedy)
+        assert "the most it may hold" in refused["error"]["message"], refused
+        assert "error" not in await subscribe(other)  # another agent is not shut out
+        assert legacy.sessions == 3
+
+        bearer = {"Authorization": f"Bearer {greedy['access_token']}"}
+        async with httpx2.AsyncClient(headers=bearer, timeout=60) as h1, _client(base + "/mcp", h1) as first, \
+                first.listen(resource_subscriptions=[CORPUS]), \
+                httpx2.AsyncClient(headers=bearer, timeout=60) as h2, _client(base + "/mcp", h2) as second:
+            with pytest.raises(MCPError) as again:
+                async with second.listen(resource_subscriptions=[CORPUS]):
+                    pass
+            assert "listen streams open" in str(again.value)
+        # Closed, its place is free again (once the node has seen the stream end).
+        async with asyncio.timeout(20):
+            while listen._open:
+                await asyncio.sleep(0.02)  # polling the bound's own count, bounded by the timeout
+        async with httpx2.AsyncClient(headers=bearer, timeout=60) as h3, _client(base + "/mcp", h3) as third, \
+                third.listen(resource_subscriptions=[CORPUS]) as sub:
+            assert sub.honored.resource_subscriptions

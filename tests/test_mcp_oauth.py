@@ -537,10 +537,10 @@ async def test_a_tool_call_naming_an_argument_twice_is_refused_as_the_http_api_r
         modern = {**auth, "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/call", "Mcp-Name": "whoami"}
         meta = orjson.dumps(META).decode()
 
-        def call(arguments: str, **headers: str) -> httpx.Response:
+        async def call(arguments: str, **headers: str) -> httpx.Response:
             body = ('{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "whoami", '
                     f'"arguments": {arguments}, "_meta": {meta}}}}}')
-            return http.post(front.base + "/mcp", content=body.encode(), headers=headers)  # type: ignore[return-value]
+            return await http.post(front.base + "/mcp", content=body.encode(), headers=headers)
 
         for arguments, pointer in (('{"q": "retry", "q": "timeout"}', "/q"),
                                    ('{"q": "retry", "kinds": ["claim"], "author": "a", "author": "b"}', "/author")):

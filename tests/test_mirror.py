@@ -343,18 +343,7 @@ async def test_mirror_serve_follows_a_node_and_serves_the_copy_read_only(tmp_pat
     try:
         url = await node.wait_listening(timeout=120)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-            author = await _http_author(http, url)
-            cid = (await _http_post(http, url, "/conversations", author, {"subject": "mirrored", "content": "one"}))["conversation"]["id"]
-            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "two"})
-
-            async def archived() -> bool:
-                async with http.get(url + "/corpus/archive") as resp:
-                    body = await resp.json()
-                return bool(body["public_key"]) and any(s["state"] == "published" for s in body["segments"])
-
-            await _until(archived, "the node to publish an archive segment")
-            async with http.get(url + "/corpus/archive") as resp:
-                key = (await resp.json())["public_key"]
+            author, cid, key = await _two_messages_archived(http, url, "mirrored")
             mirror = await procs.start("mirror", "--from", url, "--public-key", key, "--serve", "--poll", "0.1",
                                        env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "mirror"),
                                                            TOASTMACHINE_PORT="0"))
@@ -388,6 +377,24 @@ async def test_mirror_serve_follows_a_node_and_serves_the_copy_read_only(tmp_pat
         if mirror is not None and mirror.proc.returncode is None:
             await mirror.stop()
         await node.stop()
+
+
+async def _two_messages_archived(http: aiohttp.ClientSession, url: str, subject: str,
+                                 ) -> tuple[dict[str, str], str, str]:
+    """On the node at ``url`` (sealing segments of 2): an author, a conversation of two messages,
+    archived and published; the author's headers, the conversation id and the node's public key."""
+    author = await _http_author(http, url)
+    cid = (await _http_post(http, url, "/conversations", author, {"subject": subject, "content": "one"}))["conversation"]["id"]
+    await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "two"})
+
+    async def published() -> bool:
+        async with http.get(url + "/corpus/archive") as resp:
+            body = await resp.json()
+        return bool(body["public_key"]) and any(s["state"] == "published" for s in body["segments"])
+
+    await _until(published, "the node to publish an archive segment")
+    async with http.get(url + "/corpus/archive") as resp:
+        return author, cid, str((await resp.json())["public_key"])
 
 
 async def _http_author(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
@@ -484,18 +491,7 @@ async def test_mirror_serve_waits_out_its_source_and_stops_at_a_forged_tail(tmp_
         proxy = _Forger(url)
         await proxy.up()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            author = await _http_author(http, url)
-            cid = (await _http_post(http, url, "/conversations", author, {"subject": "forged", "content": "one"}))["conversation"]["id"]
-            await _http_post(http, url, f"/conversations/{cid}/messages", author, {"content": "two"})
-
-            async def published() -> bool:
-                async with http.get(url + "/corpus/archive") as resp:
-                    body = await resp.json()
-                return bool(body["public_key"]) and any(s["state"] == "published" for s in body["segments"])
-
-            await _until(published, "the node to publish an archive segment")
-            async with http.get(url + "/corpus/archive") as resp:
-                key = (await resp.json())["public_key"]
+            author, cid, key = await _two_messages_archived(http, url, "forged")
             mirror = await procs.start("mirror", "--from", proxy.url, "--public-key", key, "--serve", "--poll", "0.1",
                                        env=procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "mirror"),
                                                            TOASTMACHINE_PORT="0"))
