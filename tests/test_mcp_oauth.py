@@ -155,6 +155,9 @@ async def test_pkce_plain_and_missing_are_refused(front: Front) -> None:
         verifier, _ = _pkce()
         r = await _authorize(http, front.base, client["client_id"], verifier, code_challenge_method="plain")
         assert r.status_code == 302 and "error=invalid_request" in r.headers["location"]
+        # RFC 9207: an error response names the issuer too, so a client can tell which server answered.
+        back = parse_qs(urlsplit(r.headers["location"]).query)
+        assert back["iss"] == [front.base] and back["state"] == ["st-1"], back
         params = {"response_type": "code", "client_id": client["client_id"], "redirect_uri": REDIRECT}
         r = await http.get(front.base + "/authorize", params=params)
         assert r.status_code == 302 and "error=invalid_request" in r.headers["location"]

@@ -30,7 +30,7 @@ import importlib.metadata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 from mcp.server.auth.handlers.authorize import AuthorizationHandler
@@ -282,6 +282,19 @@ def _limited(limiter: AuthorizeLimiter, handler: Callable[[Request], Awaitable[R
     return handle
 
 
+def with_issuer(response: Response, issuer: str) -> Response:
+    """An authorization response redirect with ``iss`` (RFC 9207 §2: error responses carry it too;
+    the SDK adds it to none, the consent page to the codes it issues)."""
+    location = response.headers.get("location")
+    if response.status_code not in (302, 303) or not location:
+        return response
+    parts = urlsplit(location)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(k == "error" for k, _ in query) and not any(k == "iss" for k, _ in query):
+        response.headers["location"] = urlunsplit(parts._replace(query=urlencode([*query, ("iss", issuer)])))
+    return response
+
+
 class _LimitedAuthorize:
     """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it).
 
@@ -302,7 +315,7 @@ class _LimitedAuthorize:
         client_id = params.get("client_id")
         if isinstance(client_id, str):
             await self.store.prepare_document_client(client_id)
-        return await self.inner.handle(request)
+        return with_issuer(await self.inner.handle(request), self.store.issuer)
 
 
 class _ResourceCheckedToken:
