@@ -462,8 +462,8 @@ class Archiver(Actor):
         self.store_backoff = store_backoff
         #: Segments per manifest page (PAGE_SEGMENTS; smaller in tests, to have pages at all).
         self.manifest_page = manifest_page
-        #: The manifest pages written or found this activation (None: not read since it began).
-        self._pages: list[ManifestPage] | None = None
+        #: The manifest pages written or found this activation (built up from its first publish).
+        self._pages: list[ManifestPage] = []
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
         #: True while this instance holds the lock and archives.
         self.active = False
@@ -589,7 +589,7 @@ class Archiver(Actor):
         self.activations += 1
         self._batch_now.clear()  # each activation starts with small batches again
         self._recorded_store_error = _UNRECORDED  # a predecessor may have left a failure recorded
-        self._pages = None  # rebuilt from the database at this activation's first publish
+        self._pages = []  # built again from the database, from this activation's first publish
         self.log.info("archiver.active", store=self.store.description)
         backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
@@ -1071,9 +1071,9 @@ class Archiver(Actor):
         await self.store.put(key, note.encode())
         if stream is Stream.PUBLIC:
             pages = await self._manifest_pages(conn, last.index)
-            after = pages[-1] if pages else None
-            tail = await self._listed(conn, after.last_index + 1 if after else 0, last.index)
-            validate_run(tail, after.last_index + 1 if after else 0, after.last_sequence if after else -1)
+            start = pages[-1].last_index + 1 if pages else 0
+            tail = await self._listed(conn, start, last.index)
+            validate_run(tail, start, pages[-1].last_sequence if pages else -1)
             await self.store.replace(manifest_key(self._lineage),
                                      encode_paged(self._lineage, self.parent_lineage, pages, tail))
         await self.store.sync([key, manifest_key(self._lineage)] if stream is Stream.PUBLIC else [key])
@@ -1105,8 +1105,6 @@ class Archiver(Actor):
         names it. Kept in memory per activation: the first publish after taking the lock builds
         them from the database (the objects already there compare identical), later ones add a page
         only when one fills, so a publish costs the same however long the history is."""
-        if self._pages is None:
-            self._pages = []
         size = self.manifest_page
         written: list[str] = []
         while (len(self._pages) + 1) * size - 1 <= last_index:

@@ -132,7 +132,7 @@ def _has_control(text: str, *, allow_newlines: bool) -> bool:
 def display_problem(text: str) -> str | None:
     """Why ``text`` is unfit to show beside other text (in a list, a page, a terminal): control
     characters (escape sequences among them) or bidirectional overrides and isolates; None when fit."""
-    if _has_control(text, allow_newlines=False) or any("\x80" <= ch <= "\x9f" for ch in text):
+    if _has_control(text, allow_newlines=False):  # (category Cc: C0, DEL and C1 alike)
         return "control characters"
     if not _BIDI_CONTROLS.isdisjoint(text):
         return "bidirectional override or isolate characters (U+202A to U+202E, U+2066 to U+2069)"

@@ -222,9 +222,9 @@ class ManifestDocument:
         return [p.key(self.lineage) for p in self.pages]
 
     def assemble(self, pages: Sequence[bytes | Sequence[ManifestSegment]]) -> Manifest:
-        """The whole manifest, from each page's bytes (or its segments, already checked by an
-        earlier :meth:`assemble` of a page with the same hash) in :meth:`page_keys` order;
-        ManifestError naming the first page that is not the one listed."""
+        """The whole manifest, from each page's bytes (or its segments, already checked by
+        :meth:`page_segments`) in :meth:`page_keys` order; ManifestError naming the first page
+        that is not the one listed."""
         if len(pages) != len(self.pages):
             raise ManifestError(f"{len(self.pages)} manifest pages are listed, {len(pages)} were given")
         segments: list[ManifestSegment] = []

@@ -192,7 +192,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
-        Route("/authorize", endpoint(_LimitedAuthorize(limiter, store, AuthorizationHandler(store)).handle),  # type: ignore[arg-type]
+        Route("/authorize", endpoint(_limited(limiter, _Authorize(store, AuthorizationHandler(store)).handle)),  # type: ignore[arg-type]
               methods=["GET", "POST"]),
         # cors_middleware adds no body bound (the SDK's own routes add one): these read small forms
         # and JSON documents, bounded tighter than the SDK's 4 MiB.
@@ -295,22 +295,19 @@ def with_issuer(response: Response, issuer: str) -> Response:
     return response
 
 
-class _LimitedAuthorize:
-    """The SDK's authorize handler, after the per-address budget (429 with ``Retry-After`` over it).
+class _Authorize:
+    """The SDK's authorize handler (behind the per-address budget: :func:`_limited`), with ``iss``
+    on its error redirects (:func:`with_issuer`).
 
-    Within the budget, a ``client_id`` that is a metadata document URL is fetched first
+    A ``client_id`` that is a metadata document URL is fetched first
     (:meth:`OAuthStore.prepare_document_client`): the one place a new document is fetched.
     """
 
-    def __init__(self, limiter: AuthorizeLimiter, store: OAuthStore, inner: AuthorizationHandler) -> None:
-        self.limiter = limiter
+    def __init__(self, store: OAuthStore, inner: AuthorizationHandler) -> None:
         self.store = store
         self.inner = inner
 
     async def handle(self, request: Request) -> Response:
-        refused = await self.limiter.refuse(request)
-        if refused is not None:
-            return refused
         params = request.query_params if request.method == "GET" else await request.form()
         client_id = params.get("client_id")
         if isinstance(client_id, str):

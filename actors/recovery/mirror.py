@@ -300,9 +300,8 @@ class Mirror:
     async def archive_round(self) -> bool:
         """Verify and apply the segments published since the last round; True when some were."""
         try:
-            manifest, _ = await read_manifest(self.source, self.lineage,
-                                              await self._get(manifest_key(self.lineage), MAX_MANIFEST_BYTES),
-                                              self._pages)
+            manifest, _ = await read_manifest(self.source, await self._get(manifest_key(self.lineage),
+                                                                           MAX_MANIFEST_BYTES), self._pages)
         except ObjectNotFound as e:
             raise MirrorError(f"{self.source.description} has no {e}, which its manifest names") from None
         if manifest.lineage != self.lineage:

@@ -87,16 +87,16 @@ class ManifestPageError(ManifestError):
 PageCache = dict[str, tuple[ManifestSegment, ...]]
 
 
-async def read_manifest(source: ArchiveSource, lineage: uuid.UUID, data: bytes,
+async def read_manifest(source: ArchiveSource, data: bytes,
                         cache: PageCache | None = None) -> tuple[Manifest, list[str]]:
-    """The whole manifest of ``lineage`` from its ``manifest.json`` bytes ``data`` and the pages it
-    names (fetched from ``source``, each checked against its entry; those in ``cache`` are not
+    """The whole manifest from ``manifest.json``'s bytes ``data`` and the pages it names (fetched from ``source``, each checked against its entry; those in ``cache`` are not
     fetched again), and the pages' keys. ManifestError for a ``manifest.json`` that does not
     decode, :class:`ManifestPageError` for a page that is not the one named, ObjectNotFound (naming
     its key) for one that is gone."""
     document = parse_manifest(data)
+    keys = document.page_keys()
     pages: list[tuple[ManifestSegment, ...]] = []
-    for page, key in zip(document.pages, document.page_keys(), strict=True):
+    for page, key in zip(document.pages, keys, strict=True):
         known = cache.get(page.hash) if cache is not None else None
         if known is None:
             try:
@@ -110,7 +110,7 @@ async def read_manifest(source: ArchiveSource, lineage: uuid.UUID, data: bytes,
             if cache is not None:
                 cache[page.hash] = known
         pages.append(known)
-    return document.assemble(pages), document.page_keys()
+    return document.assemble(pages), keys
 
 
 class StoreSource:
@@ -215,7 +215,7 @@ class ArchiveWalk:
             self._find("missing_manifest", f"{key} is absent: nothing to verify", key=key)
             return False
         try:
-            manifest, page_keys = await read_manifest(self.source, self.lineage, data)
+            manifest, page_keys = await read_manifest(self.source, data)
         except ManifestPageError as e:
             self._find("invalid_manifest", str(e), key=e.key)
             return False

@@ -103,17 +103,9 @@ async def manifest(request: web.Request) -> web.Response:
     as stored, not re-derived: whoever reads it checks it against the signed checkpoint of its tree
     size anyway. ``ETag`` is its SHA-256; it changes as segments are published.
     """
-    _corpus_id, lineage = node_identity(request)
-    Query(request.query, ())
-    store = archive_store(request.app)
-    if store is None:
+    data = await _stored_manifest(request)
+    if data is None:
         raise _no_manifest()
-    try:
-        data = await store.get(manifest_key(uuid.UUID(lineage)), max_bytes=MAX_MANIFEST_BYTES)
-    except ObjectNotFound:
-        raise _no_manifest() from None
-    except ArchiveStoreError:
-        raise _unavailable() from None
     etag = f'"{hashlib.sha256(data).hexdigest()}"'
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if etag_matches(request.headers.get("If-None-Match"), etag):
@@ -125,18 +117,14 @@ async def manifest_page(request: web.Request) -> web.Response:
     """``GET /corpus/archive/manifest-pages/{name}``: a page the published manifest names, as the
     store holds it, served only when its bytes hash to the manifest's entry (``ETag`` = that
     hash; a page never changes once written)."""
-    _corpus_id, lineage = node_identity(request)
-    Query(request.query, ())
-    name = request.match_info["name"]
-    store = archive_store(request.app)
-    if store is None:
+    data = await _stored_manifest(request)
+    if data is None:
         raise _no_page()
     try:
-        document = parse_manifest(await store.get(manifest_key(uuid.UUID(lineage)), max_bytes=MAX_MANIFEST_BYTES))
-    except ObjectNotFound:
-        raise _no_page() from None
-    except (ArchiveStoreError, ManifestError):
+        document = parse_manifest(data)
+    except ManifestError:
         raise _unavailable() from None
+    name = request.match_info["name"]
     entry = next((p for p in document.pages if manifest_page_name(p.first_index, p.last_index) == name), None)
     if entry is None:
         raise _no_page()
@@ -144,6 +132,8 @@ async def manifest_page(request: web.Request) -> web.Response:
     headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
     if etag_matches(request.headers.get("If-None-Match"), etag):
         return web.Response(status=304, headers=headers)
+    store = archive_store(request.app)
+    assert store is not None  # the manifest was just read from it
     try:
         data = await store.get(entry.key(document.lineage), max_bytes=MAX_MANIFEST_BYTES)
     except (ObjectNotFound, ArchiveStoreError):
@@ -153,6 +143,22 @@ async def manifest_page(request: web.Request) -> web.Response:
                   detail="the stored object is not the page the manifest names; not served")
         raise _unavailable()
     return web.Response(body=data, headers=headers, content_type="application/json")
+
+
+async def _stored_manifest(request: web.Request) -> bytes | None:
+    """The published ``manifest.json`` as the store holds it (the query checked: it takes no
+    parameter), None when none is published yet; 503 while the store does not answer."""
+    _corpus_id, lineage = node_identity(request)
+    Query(request.query, ())
+    store = archive_store(request.app)
+    if store is None:
+        return None
+    try:
+        return await store.get(manifest_key(uuid.UUID(lineage)), max_bytes=MAX_MANIFEST_BYTES)
+    except ObjectNotFound:
+        return None
+    except ArchiveStoreError:
+        raise _unavailable() from None
 
 
 def _no_page() -> NotFound:
