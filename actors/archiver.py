@@ -82,7 +82,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from actors.archive_ahead import Limits, ReadAhead, Rows, Start
-from infra.archive_store import ArchiveStore, ArchiveStoreError, CreateOnlyIgnored, ForkAlarm, ObjectNotFound
+from infra.archive_store import (
+    ArchiveStore,
+    ArchiveStoreError,
+    CreateOnlyIgnored,
+    ForkAlarm,
+    ObjectNotFound,
+    ObjectTooLarge,
+)
 from infra.bus.base import Bus, Consumer, Delivery, QueueKind, QueueSpec
 from infra.db import CorpusIdentity, Database
 from infra.db.copy_rows import copy_rows
@@ -117,7 +124,7 @@ from protocol.archive import (
 )
 from protocol.archive_private import AgentRecord, OperationRecord, PrivateRecord, encode_private_record
 from protocol.checkpoint import Checkpoint, SignerKey, sign_checkpoint
-from protocol.errors import ToastMachineError
+from protocol.errors import ConfigError, ProcessFatal, ToastMachineError
 from protocol.manifest import (
     PAGE_SEGMENTS,
     ManifestPage,
@@ -168,6 +175,9 @@ MEASURE_INTERVAL = 1.0
 EXACT_LAG = 10_000
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
+#: Seconds the start-up check of the archive's public key waits for the store (a store that does
+#: not answer in time is checked again at activation, before anything is signed).
+KEY_CHECK_TIMEOUT = 10.0
 
 
 T = TypeVar("T")
@@ -175,6 +185,17 @@ T = TypeVar("T")
 
 class ArchiverError(ToastMachineError):
     """The history or the archive's bookkeeping is not what the archiver recorded: it stops."""
+
+
+class SigningKeyMismatch(ConfigError, ProcessFatal):
+    """The archive already holds the public key of another signing key than this archiver's.
+
+    Every archiver of a corpus must sign with the same key: a standby with a key of its own (its own
+    ``DATA_DIR/archive-signing-key`` on another machine) would meet this only at take-over, as a
+    fork alarm on ``public-key.txt``, and archive nothing. It is checked at start (a standby finds
+    out when it is deployed, not when it must take over) and again at each activation (a key
+    published since); either way the process stops with exit 2, as for any configuration error: a
+    restart meets the same key."""
 
 
 def wake_queue(corpus_id: str) -> str:
@@ -530,6 +551,34 @@ class Archiver(Actor):
         await self.bus.bind(queue, scope.hub_exchange, "#")
         await self.bus.unbind(queue, scope.events_exchange, "#")
         self._consumer = await self.bus.consume(queue, self._on_wake, prefetch=16)
+        # A standby must be able to take over: check its key now, not at the take-over.
+        try:
+            async with asyncio.timeout(KEY_CHECK_TIMEOUT):
+                await self._check_signing_key()
+        except (ArchiveStoreError, TimeoutError) as e:
+            self.log.warning("archiver.key_unchecked", error=str(e) or "the store did not answer in time",
+                             detail="the archive's public key is checked again before the first checkpoint")
+
+    async def _check_signing_key(self) -> None:
+        """Raise :class:`SigningKeyMismatch` when the archive holds another key's public key than
+        this archiver's (nothing: no key published yet, or this one)."""
+        key = public_key_key(self._lineage)
+        ours = self._signer.verifier().text()
+        try:
+            stored = await self.store.get(key, max_bytes=4096)
+        except ObjectNotFound:
+            return
+        except ObjectTooLarge:
+            stored = b""  # no public key is that long
+        if stored == (ours + "\n").encode():
+            return
+        theirs = stored.decode("utf-8", "replace").strip()
+        shown = theirs if len(theirs) <= 200 and theirs.isprintable() else "(not a public key)"
+        raise SigningKeyMismatch(
+            f"this archiver's signing key ({ours}) is not the one that signs the archive at "
+            f"{self.store.description} ({key} holds {shown}): every archiver of a corpus must sign with "
+            "the corpus's key; set TOASTMACHINE_ARCHIVE_SIGNING_KEY to it (the contents of the first "
+            "archiver's DATA_DIR/archive-signing-key) on every archiver")
 
     async def _on_wake(self, _delivery: Delivery) -> None:
         # A hint only: returning acks it; the next round reads the history itself.
@@ -607,6 +656,7 @@ class Archiver(Actor):
                 if not self._key_published:
                     # Its own step: a store that fails here (after a good probe) gets it retried
                     # after the back-off, without another probe object each time.
+                    await self._check_signing_key()  # a key published since this process started
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])
                     if self.parent_lineage is None:

@@ -241,11 +241,20 @@ class Supervisor:
         self.fatal: ProcessFatal | None = None
         self._fatal = asyncio.Event()
 
-    async def wait_fatal(self) -> ProcessFatal:
-        """Return once an actor crashed with a :class:`~protocol.errors.ProcessFatal`."""
-        await self._fatal.wait()
-        assert self.fatal is not None
-        return self.fatal
+    async def wait_fatal(self) -> ProcessFatal | ConfigError:
+        """Return once an actor crashed with a :class:`~protocol.errors.ProcessFatal`, or met a
+        configuration error after :meth:`start` returned (in a restart): either way the process
+        must stop rather than run on with that actor failed."""
+        done = asyncio.ensure_future(self._fatal.wait())
+        misconfigured = asyncio.ensure_future(self._misconfigured.wait())
+        try:
+            await asyncio.wait({done, misconfigured}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            misconfigured.cancel()
+        error = self.fatal if self.fatal is not None else self.misconfigured
+        assert error is not None
+        return error
 
     async def start(self, wait: float | None = 30.0) -> None:
         """Start one supervision task per actor; wait up to ``wait`` s for each first successful start.

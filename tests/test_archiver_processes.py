@@ -20,8 +20,16 @@ import pytest
 
 from actors.archiver import active_archiver, application_name
 from infra.archive_store import ArchiveStore
-from protocol.archive import Stream, decode_segment, manifest_key, parse_segment_key
+from protocol.archive import (
+    Stream,
+    checkpoint_key,
+    decode_segment,
+    manifest_key,
+    parse_segment_key,
+    public_key_key,
+)
 from protocol.manifest import decode_manifest
+from tests import procs
 from tests.corpus_fixtures import STACK_ENV, running_stack
 from tests.deployment import WAIT, Deployment, deployment
 from tests.s3_server import S3Server
@@ -222,7 +230,6 @@ async def test_up_archives_to_the_data_directory_and_archive_status_reports_it(t
 
     import aiohttp
 
-    from tests import procs
 
     data = tmp_path / "data"
     env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(data), TOASTMACHINE_PORT="0",
@@ -292,3 +299,106 @@ async def test_the_procfile_archiver_archives_to_an_s3_compatible_store(
                                              f"{entry.last_sequence:019d}"), expected_previous_hash=previous)
         previous = seg.hash
     assert [s.event_count for s in manifest.segments] == [2, 2, 1]
+
+
+async def _seeded(database_url: str, rabbitmq_url: str, messages: int) -> tuple[uuid.UUID, uuid.UUID]:
+    """A corpus with a conversation and ``messages`` more messages; its corpus id and lineage."""
+    async with running_stack(database_url, rabbitmq_url, STACK_ENV) as stack:
+        agent = await stack.register()
+        first = await stack.conversation(agent)
+        for _ in range(messages):
+            await stack.message(agent, first["conversation"]["id"], content="signed")
+        return uuid.UUID(str(stack.identity.corpus_id)), uuid.UUID(str(stack.identity.lineage))
+
+
+def _machine(tmp_path: Path, name: str, archive: Path, **env: str) -> dict[str, str]:
+    """The settings of an archiver on a machine of its own: its own data directory (so its own
+    signing key unless one is given), the deployment's shared archive."""
+    return {"TOASTMACHINE_DATA_DIR": str(tmp_path / name), "TOASTMACHINE_ARCHIVE_URL": str(archive),
+            "TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "0.2", **env}
+
+
+async def _refused(dep: Deployment, name: str, env: dict[str, str], *, exited_before_start: bool) -> str:
+    """Start an archiver that must stop with exit 2 for its key; what it printed."""
+    proc = await procs.start(env={**dep.env, "TOASTMACHINE_NODE_ID": name, **env},
+                             program=("/bin/sh", "-c", dep.commands["archiver"]))
+    assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
+    output = "\n".join(proc.output)
+    assert ("ToastMachine running archiver" not in output) == exited_before_start, output
+    assert "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output and "is not the one that signs the archive" in output
+    assert not procs.unexpected_tracebacks(proc.output), output
+    assert "PRIVATE+KEY" not in output  # the secret half of neither key
+    return output
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+async def test_an_archiver_with_a_key_of_its_own_is_refused_at_start_and_the_corpus_key_takes_over(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """Archivers on two machines (data directories of their own) and one shared archive: the second,
+    with the key its own data directory generated, exits 2 at start naming
+    TOASTMACHINE_ARCHIVE_SIGNING_KEY (before, it stood by and met a fork alarm on public-key.txt
+    at take-over, archiving nothing); given the corpus's key it stands by, takes over when the
+    first is killed, and its checkpoints verify against the one published key."""
+    from protocol.checkpoint import parse_verifier_key, verify_checkpoint
+
+    _, lineage = await _seeded(database_url, rabbitmq_url, 3)
+    archive = tmp_path / "archive"
+    async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+        await dep.start("archiver", "arch-a", **_machine(tmp_path, "a", archive))
+        await all_published(database_url, 2)
+        await _refused(dep, "arch-b", _machine(tmp_path, "b", archive), exited_before_start=True)
+
+        corpus_key = (tmp_path / "a" / "archive-signing-key").read_text().strip()
+        await dep.start("archiver", "arch-c",
+                        **_machine(tmp_path, "c", archive, TOASTMACHINE_ARCHIVE_SIGNING_KEY=corpus_key))
+        await dep.processes["arch-c"].wait_for_line(r"archiver\.standby", timeout=WAIT)
+        assert not (tmp_path / "c" / "archive-signing-key").exists()  # the configured key, no other
+        dep.processes["arch-a"].signal(signal.SIGKILL)
+        await dep.processes["arch-c"].wait_for_line(r"archiver\.active", timeout=WAIT)
+        async with running_stack(database_url, rabbitmq_url, STACK_ENV) as stack:
+            agent = await stack.register()
+            second = await stack.conversation(agent)
+            await stack.message(agent, second["conversation"]["id"], content="after the take-over")
+        await all_published(database_url, 3)  # 4 changes, then 2 more: 3 segments of 2
+
+    store = ArchiveStore.local(archive)
+    verifier = parse_verifier_key((await store.get(public_key_key(lineage))).decode())
+    size = sum(s.event_count for s in decode_manifest(await store.get(manifest_key(lineage))).segments)
+    assert size == 6
+    verify_checkpoint(await store.get(checkpoint_key(lineage, size)), verifier)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+async def test_a_key_published_while_a_standby_waited_stops_it_before_it_signs(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """A standby that started on an archive with no public key yet (two archivers deployed at once)
+    checks again when it becomes active: another key's public key there stops it with exit 2
+    before it seals or signs anything."""
+    from actors.archiver import ARCHIVER_LOCK
+    from infra.archive_keys import archive_origin
+    from protocol.checkpoint import generate_signer_key
+
+    corpus_id, lineage = await _seeded(database_url, rabbitmq_url, 1)
+    archive = tmp_path / "archive"
+    lock = await asyncpg.connect(database_url)  # the lock held, as by an active archiver elsewhere
+    try:
+        await lock.execute("select pg_advisory_lock($1)", ARCHIVER_LOCK)
+        async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+            env = _machine(tmp_path, "b", archive, TOASTMACHINE_NODE_ID="arch-b")
+            proc = await procs.start(env={**dep.env, **env}, program=("/bin/sh", "-c", dep.commands["archiver"]))
+            await proc.wait_for_line(r"archiver\.standby", timeout=WAIT)
+            other = generate_signer_key(archive_origin(corpus_id))
+            await ArchiveStore.local(archive).put(public_key_key(lineage), (other.verifier().text() + "\n").encode())
+            await lock.execute("select pg_advisory_unlock($1)", ARCHIVER_LOCK)
+            assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
+            output = "\n".join(proc.output)
+            assert other.verifier().text() in output and "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output
+            assert not procs.unexpected_tracebacks(proc.output), output
+        assert await lock.fetchval("select count(*) from archive_segments") == 0
+        assert [o.key async for o in ArchiveStore.local(archive).list(f"{lineage}/checkpoints")] == []
+    finally:
+        await lock.close()

@@ -224,8 +224,11 @@ async def _serve(settings: Settings, *, actors: list[str], web: bool, allow_memo
                 fatal = asyncio.create_task(supervisor.wait_fatal())
                 await asyncio.wait({stop_wait, fatal}, return_when=asyncio.FIRST_COMPLETED)
                 if fatal.done():
-                    log.error("node.stopping", reason=str(fatal.result()))
+                    error = fatal.result()
+                    log.error("node.stopping", reason=str(error))
                     start_failed = True  # a process stopped by a fatal error exits non-zero
+                    if isinstance(error, ConfigError):
+                        misconfigured = error  # exit 2, as at start
                 fatal.cancel()
             elif start.done():
                 not_started = {n: h.last_error for n, h in supervisor.health.items() if not h.ok}
