@@ -98,6 +98,9 @@ class Settings:
     stream_max: int = 10_000
     #: Most SSE streams one client address may hold open on one web node at once.
     stream_max_per_client: int = 32
+    #: Most JSONL exports (changes.jsonl, snapshot.jsonl) one client address may have running on one
+    #: web node at once (each holds a database connection; the node runs half its pool at most).
+    export_max_per_client: int = 2
     #: Seconds a client has to send a request's headers, and separately its body, before the
     #: connection is answered 408 and closed (idle keep-alive connections and open streams are not cut).
     http_read_timeout: float = 30.0
@@ -187,6 +190,7 @@ class Settings:
             stream_heartbeat=get("STREAM_HEARTBEAT", _float(0.01, 3600), d.stream_heartbeat),
             stream_max=get("STREAM_MAX", _int(1, 1_000_000), d.stream_max),
             stream_max_per_client=get("STREAM_MAX_PER_CLIENT", _int(1, 1_000_000), d.stream_max_per_client),
+            export_max_per_client=get("EXPORT_MAX_PER_CLIENT", _int(1, 1_000_000), d.export_max_per_client),
             http_read_timeout=get("HTTP_READ_TIMEOUT", _float(0.05, 3600), d.http_read_timeout),
             writer_max_batch=get("WRITER_MAX_BATCH", _int(1, 10_000), d.writer_max_batch),
             writer_linger_ms=get("WRITER_LINGER_MS", _float(0, 1000), d.writer_linger_ms),

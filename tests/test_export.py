@@ -7,6 +7,7 @@ a mirror is rebuilt from a snapshot plus the changes after its boundary and comp
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from typing import Any
@@ -197,16 +198,21 @@ async def test_a_cursor_from_another_lineage_is_refused(stack: Stack) -> None:
     assert resp.status == 200
 
 
-async def test_a_large_page_is_streamed_while_the_client_reads(stack: Stack) -> None:
+async def _long_history(stack: Stack) -> None:
+    """10,000 changes of ~2 KB (20 MB: more than every socket buffer between server and client, so an
+    export of them all stays open while its client does not read), written straight into the
+    history; the export does not care what the envelopes say."""
     alice = await stack.register()
-    # 10,000 changes of ~2 KB (20 MB: more than every socket buffer between server and client), written
-    # straight into the history; the export does not care what the envelopes say.
     await stack.db.pool.execute(
         "insert into changes (sequence, type, partition, conversation_id, author_id, occurred_at, event) "
         "select s, 'message.appended', 0, gen_random_uuid(), $1, now(), "
         "       json_build_object('sequence', s, 'pad', repeat('x', 2000))::text "
         "from (select nextval('change_sequence') as s from generate_series(1, 10000)) as g",
         uuid.UUID(alice.agent_id))
+
+
+async def test_a_large_page_is_streamed_while_the_client_reads(stack: Stack) -> None:
+    await _long_history(stack)
     resp = await stack.client.get("/corpus/changes.jsonl?limit=10000")
     assert resp.status == 200 and resp.headers["X-Corpus-Has-More"] == "false"
     first = await resp.content.readline()
@@ -223,6 +229,50 @@ async def test_a_large_page_is_streamed_while_the_client_reads(stack: Stack) -> 
     lines = b"".join(rest).split(b"\n")[:-1]
     assert chunks > 1
     assert [orjson.loads(line)["sequence"] for line in lines] == list(range(1, 10_001))
+
+
+def _from(address: str) -> dict[str, str]:
+    """The headers of a client at ``address`` behind the test's trusted proxy (127.0.0.1)."""
+    return {"X-Forwarded-For": address}
+
+
+@pytest.mark.stack_env(TOASTMACHINE_DB_POOL_SIZE="4", TOASTMACHINE_EXPORT_MAX_PER_CLIENT="1",
+                       TOASTMACHINE_TRUSTED_PROXIES="127.0.0.1")
+async def test_one_client_cannot_hold_every_export_place(stack: Stack) -> None:
+    """Two places on the node (half of a pool of 4), one per client: a client that leaves an export
+    unread is refused a second at once (503 export_busy) while another client still gets one; a
+    third client waits for a place and gets it as soon as one is freed; the refused client gets
+    its place back once it closes its export."""
+    from actors.web.export import EXPORT_SLOTS
+
+    slots = stack.client.app[EXPORT_SLOTS]
+    await _long_history(stack)
+    path = "/corpus/changes.jsonl?limit=10000"
+    held = await stack.client.get(path, headers=_from("192.0.2.1"))
+    assert held.status == 200 and await held.content.readline()  # started, then left unread
+    refused, body = await _get(stack, path, _from("192.0.2.1"))
+    err = _error(refused, body, 503, "export_busy")
+    assert refused.headers["Retry-After"] == "2" and "already has 1" in err["message"]
+    other = await stack.client.get(path, headers=_from("192.0.2.2"))
+    assert other.status == 200 and await other.content.readline()
+    assert slots.held == 2
+    waiting = asyncio.ensure_future(stack.client.get(path, headers=_from("192.0.2.3")))
+    await _until(lambda: slots.waiting == 1)
+    other.close()  # the place frees as the server sees the connection go
+    third = await waiting
+    assert third.status == 200 and await third.content.readline()
+    held.close()
+    await _until(lambda: slots.held == 1)
+    again = await stack.client.get(path, headers=_from("192.0.2.1"))
+    assert again.status == 200
+    assert len(await again.read()) > 20_000_000
+    third.close()
+
+
+async def _until(predicate: Any, timeout: float = 30) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
 
 
 # --- snapshot.jsonl ----------------------------------------------------------------------------

@@ -128,7 +128,7 @@ async def test_a_dropped_stream_frees_its_slot_at_once_not_at_the_next_write(sta
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()  # RST: the server learns it only from the connection's loss
-            await _until(lambda: slots._open == 0, timeout=20)
+            await _until(lambda: slots.held == 0, timeout=20)
         again = await _open(stack)
         assert again.status == 200
         await _ready(again)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlencode
 
 from aiohttp import web
@@ -36,6 +36,7 @@ from actors.reads.corpus import (  # the paths are this module's routes; others 
 )
 from actors.web.context import NODE
 from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
+from actors.web.slots import ClientSlots
 from infra.db.pool import connection
 from infra.http import negotiate, single_header
 from infra.logs import get_logger
@@ -58,16 +59,16 @@ SLOT_WAIT = 5.0
 
 
 #: Concurrent JSONL streams of one app; each holds a pooled connection while the client reads.
-EXPORT_SLOTS: web.AppKey[asyncio.Semaphore] = web.AppKey("export_slots", asyncio.Semaphore)
+EXPORT_SLOTS: web.AppKey[ClientSlots] = web.AppKey("export_slots", ClientSlots)
 
 _CHANGES_PARAMS = ("after", "limit", "lineage")
 
 
 def add_routes(app: web.Application) -> None:
     """The corpus synchronization routes, with this app's bound on concurrent streams."""
-    pool_size = app[NODE].settings.db_pool_size
+    settings = app[NODE].settings
     # Half the pool at most: writes' auth lookups, the SSE catch-up and /corpus still get connections.
-    app[EXPORT_SLOTS] = asyncio.Semaphore(max(1, pool_size // 2))
+    app[EXPORT_SLOTS] = export_slots(max(1, settings.db_pool_size // 2), settings.export_max_per_client)
     app.router.add_get("/corpus", corpus_info)
     app.router.add_get(CHANGES_PATH, changes)
     app.router.add_get(SNAPSHOT_PATH, snapshot)
@@ -139,24 +140,24 @@ def _accept_jsonl(request: web.Request) -> None:
 # --- streaming ---------------------------------------------------------------------------------
 
 
-class _Slot:
-    """One of the app's export slots, or 503 when none frees up within :data:`SLOT_WAIT`."""
+def export_slots(total: int, per_client: int) -> ClientSlots:
+    """The node's caps on concurrent exports: ``total`` in all (a request waits up to
+    :data:`SLOT_WAIT` for one), ``per_client`` per client address (refused at once beyond it: one
+    client reading slowly must not hold every connection the exports may take)."""
 
-    def __init__(self, request: web.Request) -> None:
-        self._semaphore = request.app[EXPORT_SLOTS]
-
-    async def __aenter__(self) -> None:
-        try:
-            async with asyncio.timeout(SLOT_WAIT):
-                await self._semaphore.acquire()
-        except TimeoutError:
+    def refuse(cap: str) -> NoReturn:
+        if cap == "client":
             raise ServiceUnavailable(
-                "Too many synchronization streams are open on this node.", code="export_busy",
-                headers={"Retry-After": "2"},
-                how_to_proceed="Retry after the seconds in Retry-After with the same cursor.") from None
+                f"This client address already has {per_client} synchronization streams open on this node.",
+                code="export_busy", headers={"Retry-After": "2"},
+                how_to_proceed="Read your open exports to the end (or close them) before starting another, "
+                               "then retry with the same cursor.")
+        raise ServiceUnavailable(
+            "Too many synchronization streams are open on this node.", code="export_busy",
+            headers={"Retry-After": "2"},
+            how_to_proceed="Retry after the seconds in Retry-After with the same cursor.")
 
-    async def __aexit__(self, *exc: object) -> None:
-        self._semaphore.release()
+    return ClientSlots(total, per_client, refuse, wait=SLOT_WAIT)
 
 
 async def _start(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
@@ -223,7 +224,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
     limit = q.integer("limit", low=1, high=MAX_LIMIT, how_to_proceed=_PARAM_HELP["limit"]) or DEFAULT_LIMIT
     echoed_lineage = check_lineage(request, corpus_id, lineage)
     _accept_jsonl(request)
-    async with _Slot(request), connection(request.app[NODE].db) as conn, \
+    async with request.app[EXPORT_SLOTS].hold(request), connection(request.app[NODE].db) as conn, \
             conn.transaction(isolation="repeatable_read", readonly=True):
         bounds = await conn.fetchrow(_PAGE_BOUNDS, after, limit)
         head, last = bounds["head"], bounds["last"]
@@ -325,7 +326,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
     corpus_id, lineage = node_identity(request)
     Query(request.query, ())
     _accept_jsonl(request)
-    async with _Slot(request), connection(request.app[NODE].db) as conn, \
+    async with request.app[EXPORT_SLOTS].hold(request), connection(request.app[NODE].db) as conn, \
             conn.transaction(isolation="repeatable_read", readonly=True):
         at = await conn.fetchval(_SNAPSHOT_HEAD)  # the first statement fixes the transaction's snapshot
         headers = {**identity_headers(corpus_id, lineage), "X-Corpus-At": str(at),

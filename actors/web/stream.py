@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import orjson
 from aiohttp import web
@@ -42,8 +42,9 @@ from actors.history import Change, bounded_page, conversation_of, head_sequence
 from actors.hub import Batch, Item, NotificationHub, Subscription, sse_frame
 from actors.web.context import NODE
 from actors.web.export import check_lineage, identity_headers, node_identity
+from actors.web.slots import ClientSlots
 from infra.db.pool import Target
-from infra.http import request_client, single_header
+from infra.http import single_header
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from protocol.errors import ServiceUnavailable
@@ -53,7 +54,7 @@ from protocol.representations import EVENT_TYPES, RELATIONSHIP_ASSERTED, RELATIO
 log = get_logger("toastmachine.actors.web.stream")
 
 HUB: web.AppKey[NotificationHub] = web.AppKey("hub", NotificationHub)
-STREAM_SLOTS: web.AppKey[StreamSlots] = web.AppKey("stream_slots")
+STREAM_SLOTS: web.AppKey[ClientSlots] = web.AppKey("stream_slots", ClientSlots)
 LOOKUP: web.AppKey[ConversationLookup] = web.AppKey("conversation_lookup")
 #: Seconds one frame may take to reach a client before the client counts as stuck.
 WRITE_TIMEOUT = 10.0
@@ -157,41 +158,22 @@ class ConversationLookup:
             done.set_result(answered)
 
 
-class StreamSlots:
-    """The node's caps on concurrent streams: ``total`` in all, ``per_client`` per client address."""
+def stream_slots(total: int, per_client: int, metrics: Metrics | None = None) -> ClientSlots:
+    """The node's caps on concurrent streams: ``total`` in all, ``per_client`` per client address;
+    beyond either, 503 ``too_many_streams`` at once (counted in ``stream_refused`` by cap)."""
 
-    def __init__(self, total: int, per_client: int, metrics: Metrics | None = None) -> None:
-        self.total = total
-        self.per_client = per_client
-        self._metrics = metrics
-        self._open = 0
-        self._by_client: collections.Counter[str] = collections.Counter()
-
-    @contextlib.contextmanager
-    def hold(self, client: str) -> Iterator[None]:
-        """A slot for the block, or 503 (with Retry-After) when a cap is reached."""
-        if self._open >= self.total:
-            self._refuse("node", f"This node serves its maximum of {self.total} streams.")
-        if self._by_client[client] >= self.per_client:
-            self._refuse("client", f"This client address already has {self.per_client} open streams on this node.")
-        self._open += 1
-        self._by_client[client] += 1
-        try:
-            yield
-        finally:
-            self._open -= 1
-            self._by_client[client] -= 1
-            if not self._by_client[client]:
-                del self._by_client[client]
-
-    def _refuse(self, cap: str, message: str) -> None:
-        if self._metrics is not None:
-            self._metrics.stream_refused.labels(cap).inc()
+    def refuse(cap: str) -> NoReturn:
+        if metrics is not None:
+            metrics.stream_refused.labels(cap).inc()
+        message = (f"This node serves its maximum of {total} streams." if cap == "node" else
+                   f"This client address already has {per_client} open streams on this node.")
         raise ServiceUnavailable(
             message, code="too_many_streams", headers={"Retry-After": str(RETRY_AFTER)},
             extra={"retry_after": RETRY_AFTER},
             how_to_proceed=f"Close streams you no longer read, or retry after {RETRY_AFTER} seconds "
                            "(Retry-After), resuming with Last-Event-ID; another node of this corpus may have room.")
+
+    return ClientSlots(total, per_client, refuse)
 
 
 def _parse(request: web.Request) -> tuple[int | None, str, _Filters]:
@@ -324,10 +306,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         headers_only = web.StreamResponse(headers=_stream_headers(corpus_id, lineage))
         await headers_only.prepare(request)
         return headers_only
-    # The per-client cap counts the resolved client (forwarding headers only from trusted proxies),
-    # so clients behind one load balancer are not lumped together as its address.
-    client = request_client(request)
-    with request.app[STREAM_SLOTS].hold(str(client) if client is not None else "unknown"):
+    async with request.app[STREAM_SLOTS].hold(request):
         if after is not None:
             head = await head_sequence(node.db)
             if after > head:
@@ -433,7 +412,7 @@ def add_routes(app: web.Application) -> None:
     """The stream route, with this node's hub started and stopped with the app."""
     node = app[NODE]
     settings = node.settings
-    app[STREAM_SLOTS] = StreamSlots(settings.stream_max, settings.stream_max_per_client, node.metrics)
+    app[STREAM_SLOTS] = stream_slots(settings.stream_max, settings.stream_max_per_client, node.metrics)
     app[LOOKUP] = ConversationLookup(node.db)
     app[HUB] = node.notification_hub()
     app.cleanup_ctx.append(_hub_context)
