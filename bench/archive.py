@@ -389,12 +389,27 @@ class Round:
         return self.rate(which) / self.rate("raw")
 
 
+async def settle(server_dsn: str) -> None:
+    """Flush what setting a round up left to write, before either side is timed: the copy of the
+    template (PostgreSQL 15 copies a database through its WAL and shared buffers, hundreds of MB
+    here) and the last round's archive files. Otherwise the checkpointer and the kernel's writeback
+    take the CPUs and the disk from whichever side runs while they catch up (measured: the
+    machine-wide CPU of the same archive round varied from 1.4 to 2.5 CPU-s with it)."""
+    admin = await asyncpg.connect(server_dsn)
+    try:
+        await admin.execute("checkpoint")  # a superuser's or pg_checkpoint's; the bench's DSN is one
+    finally:
+        await admin.close()
+    await asyncio.to_thread(os.sync)
+
+
 async def one_round(server_dsn: str, template: str) -> Round:
     """Raw, archive and verify on a fresh copy of the seeded database ``template``.
 
     Each side first reads the copy's history once, untimed, so that both start from the same warm
     cache (a new copy's pages are in the operating system's cache, not yet in PostgreSQL's)."""
     async with scratch_database(server_dsn, f"{template}_r{uuid.uuid4().hex[:6]}", template=template) as dsn:
+        await settle(server_dsn)
         await raw_rate(dsn)  # the warm-up read
         # The raw side is a read of well under a second, and here it varies by a fifth read after
         # read on one copy: its median of RAW_READS reads is the round's raw rate.
