@@ -172,6 +172,28 @@ async def test_pkce_plain_and_missing_are_refused(front: Front) -> None:
     assert await front.db.pool.fetchval("select count(*) from oauth_pending") == 0
 
 
+async def test_a_database_lost_in_the_middle_of_authorize_is_a_503_not_a_server_error_redirect(
+        front: Front, caplog: pytest.LogCaptureFixture) -> None:
+    """The client is found and the budget charged, then the connection recording the pending request
+    dies (its backend terminated from inside the statement: a real fault at that exact point): the
+    answer is the 503 every OAuth route gives a database outage, not the SDK's ``server_error``
+    redirect, and no traceback is logged; the next request, on a fresh connection, goes through."""
+    await front.db.pool.execute("""
+        create function tm_test_cut() returns trigger language plpgsql as $$
+        begin perform pg_terminate_backend(pg_backend_pid()); return new; end $$;
+        create trigger tm_test_cut before insert on oauth_pending for each row execute function tm_test_cut()""")
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        assert r.status_code == 503, (r.status_code, r.headers, r.text)
+        assert r.json()["error"] == "temporarily_unavailable" and r.headers["Retry-After"]
+        assert not any(rec.exc_info for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
+        await front.db.pool.execute("drop trigger tm_test_cut on oauth_pending; drop function tm_test_cut()")
+        r = await _authorize(http, front.base, client["client_id"], challenge)
+        assert r.status_code == 302 and "/consent?" in r.headers["location"]
+
+
 @pytest.mark.parametrize("redirect", [REDIRECT + "/", "http://127.0.0.1:53682/other"])
 async def test_redirect_mismatch_is_refused(front: Front, redirect: str) -> None:
     async with httpx.AsyncClient() as http:

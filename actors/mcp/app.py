@@ -192,7 +192,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource", pr_metadata, methods=["GET", "OPTIONS"]),
-        Route("/authorize", endpoint(_limited(limiter, _Authorize(store, AuthorizationHandler(store)).handle)),  # type: ignore[arg-type]
+        Route("/authorize", endpoint(_limited(limiter, _Authorize(store).handle)),  # type: ignore[arg-type]
               methods=["GET", "POST"]),
         # cors_middleware adds no body bound (the SDK's own routes add one): these read small forms
         # and JSON documents, bounded tighter than the SDK's 4 MiB.
@@ -295,24 +295,60 @@ def with_issuer(response: Response, issuer: str) -> Response:
     return response
 
 
+class _Outage(BaseException):
+    """A database outage on its way through the SDK's authorize handler, whose catch-all (``except
+    Exception``) would answer it as a ``server_error`` redirect and log a traceback: not an
+    Exception, it passes that by, and :class:`_Authorize` raises the outage again for the 503 every
+    OAuth route answers it with (``_OAUTH_EXCEPTION_HANDLERS``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+
+class _OutagePassing:
+    """The store as the SDK's authorize handler sees it: its two calls there, with a database
+    outage carried past the handler's catch-all as an :class:`_Outage`."""
+
+    def __init__(self, store: OAuthStore) -> None:
+        self.store = store
+
+    async def get_client(self, client_id: str) -> Any:
+        try:
+            return await self.store.get_client(client_id)
+        except DB_UNAVAILABLE_ERRORS as e:
+            raise _Outage(e) from None
+
+    async def authorize(self, client: Any, params: Any) -> str:
+        try:
+            return await self.store.authorize(client, params)
+        except DB_UNAVAILABLE_ERRORS as e:
+            raise _Outage(e) from None
+
+
 class _Authorize:
     """The SDK's authorize handler (behind the per-address budget: :func:`_limited`), with ``iss``
-    on its error redirects (:func:`with_issuer`).
+    on its error redirects (:func:`with_issuer`), and a database outage answered 503 wherever it
+    happens (:class:`_Outage`), not as a ``server_error`` redirect.
 
     A ``client_id`` that is a metadata document URL is fetched first
     (:meth:`OAuthStore.prepare_document_client`): the one place a new document is fetched.
     """
 
-    def __init__(self, store: OAuthStore, inner: AuthorizationHandler) -> None:
+    def __init__(self, store: OAuthStore) -> None:
         self.store = store
-        self.inner = inner
+        self.inner = AuthorizationHandler(_OutagePassing(store))  # type: ignore[arg-type]
 
     async def handle(self, request: Request) -> Response:
         params = request.query_params if request.method == "GET" else await request.form()
         client_id = params.get("client_id")
         if isinstance(client_id, str):
             await self.store.prepare_document_client(client_id)
-        return with_issuer(await self.inner.handle(request), self.store.issuer)
+        try:
+            answer = await self.inner.handle(request)
+        except _Outage as outage:
+            raise outage.error from None
+        return with_issuer(answer, self.store.issuer)
 
 
 class _ResourceCheckedToken:
