@@ -281,6 +281,45 @@ async def _refresh(http: httpx.AsyncClient, base: str, client_id: str, refresh: 
                                                   "client_id": client_id, **extra})
 
 
+async def test_a_client_secret_basic_client_may_send_its_id_in_the_header_alone(front: Front) -> None:
+    """RFC 6749 §2.3.1: a ``client_secret_basic`` client authenticates with the Basic header, its id
+    form-urlencoded there, and need not repeat it in the body: the code exchange, a refresh and a
+    revocation all work that way (the SDK's request models require ``client_id`` in the form). A
+    wrong secret is still refused, and so is the code for another client named in the body."""
+    import base64
+    from urllib.parse import quote
+
+    def basic(client_id: str, secret: str) -> dict[str, str]:
+        raw = f"{quote(client_id, safe='')}:{quote(secret, safe='')}".encode()
+        return {"Authorization": "Basic " + base64.b64encode(raw).decode()}
+
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base, token_endpoint_auth_method="client_secret_basic")
+        cid, secret = client["client_id"], client["client_secret"]
+        other = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, cid, challenge)
+        form = {"grant_type": "authorization_code", "code": code, "redirect_uri": REDIRECT, "code_verifier": verifier}
+        r = await http.post(front.base + "/token", data=form, headers=basic(cid, secret + "x"))
+        assert r.status_code == 401 and r.json()["error"] == "invalid_client"
+        # The body's id wins over the header's: that (public) client is not the code's.
+        r = await http.post(front.base + "/token", data={**form, "client_id": other["client_id"]},
+                            headers=basic(cid, secret))
+        assert r.status_code == 400 and r.json()["error"] == "invalid_grant"
+        r = await http.post(front.base + "/token", data=form, headers=basic(cid, secret))
+        assert r.status_code == 200, r.text
+        tokens = r.json()
+        r = await http.post(front.base + "/token", headers=basic(cid, secret),
+                            data={"grant_type": "refresh_token", "refresh_token": tokens["refresh_token"]})
+        assert r.status_code == 200, r.text
+        rotated = r.json()
+        headers = {**_MCP_HEADERS, "Authorization": f"Bearer {rotated['access_token']}"}
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 200
+        r = await http.post(front.base + "/revoke", data={"token": rotated["access_token"]}, headers=basic(cid, secret))
+        assert r.status_code == 200, r.text
+        assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
+
+
 async def test_refresh_negatives_are_refused_with_no_effect(front: Front) -> None:
     """Another client's refresh token, a token of the wrong kind, a wider scope, a foreign resource,
     an expired refresh token: each refused; none rotates or revokes the family."""

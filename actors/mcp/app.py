@@ -39,6 +39,7 @@ from mcp.server.auth.handlers.register import RegistrationHandler
 from mcp.server.auth.handlers.revoke import RevocationHandler
 from mcp.server.auth.handlers.token import TokenHandler
 from mcp.server.auth.middleware.bearer_auth import BearerAuthBackend
+from mcp.server.auth.middleware.client_auth import AuthenticationError
 from mcp.server.auth.provider import ProviderTokenVerifier
 from mcp.server.auth.routes import build_metadata, cors_middleware
 from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
@@ -65,7 +66,14 @@ from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
 from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SetHeaders
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
-from actors.mcp.oauth import SCOPE_READ, SCOPES, DigestClientAuthenticator, OAuthStore, StoredAccessToken
+from actors.mcp.oauth import (
+    SCOPE_READ,
+    SCOPES,
+    DigestClientAuthenticator,
+    OAuthStore,
+    StoredAccessToken,
+    basic_credentials,
+)
 from actors.mcp.server import ToastMachineServer
 from actors.mcp.token_cache import TokenCache, following
 from actors.reads import rows
@@ -359,7 +367,7 @@ class _ResourceCheckedToken:
         self.inner = inner
 
     async def handle(self, request: Request) -> Response:
-        form = await request.form()
+        form = await client_id_from_basic(request)
         resource = form.get("resource")
         if isinstance(resource, str) and resource.rstrip("/") != self.store.resource:
             return JSONResponse({"error": "invalid_target",
@@ -376,7 +384,24 @@ class _PublicClientRevocation(RevocationHandler):
     """
 
     async def handle(self, request: Request) -> Response:
-        form = await request.form()
+        form = await client_id_from_basic(request)
         if "client_secret" not in form:
             request._form = FormData([*form.multi_items(), ("client_secret", "")])
         return await super().handle(request)
+
+
+async def client_id_from_basic(request: Request) -> FormData:
+    """The request's form, with the ``client_id`` of its ``Authorization: Basic`` header added when
+    the form names none: RFC 6749 §2.3.1 lets a ``client_secret_basic`` client send its id in the
+    header alone, and the SDK's token and revocation request models require it in the form. A
+    header that does not decode adds nothing (the client authentication refuses it)."""
+    form = await request.form()
+    if "client_id" not in form:
+        try:
+            basic = basic_credentials(request)
+        except AuthenticationError:
+            basic = None
+        if basic is not None and basic[0]:
+            form = FormData([*form.multi_items(), ("client_id", basic[0])])
+            request._form = form
+    return form

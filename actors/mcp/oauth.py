@@ -214,6 +214,20 @@ class RegisteredClient(OAuthClientInformationFull):
         raise InvalidRedirectUriError("redirect_uri is not one the client registered")
 
 
+def basic_credentials(request: Request) -> tuple[str, str] | None:
+    """The client id and secret of an ``Authorization: Basic`` header (RFC 6749 §2.3.1: each
+    form-urlencoded, then joined by a colon and base64-encoded); None without one. A header that
+    does not decode is :class:`AuthenticationError`."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Basic "):
+        return None
+    try:
+        user, _, password = base64.b64decode(header[6:], validate=True).decode("utf-8").partition(":")
+    except (ValueError, UnicodeDecodeError):
+        raise AuthenticationError("Invalid Basic authentication header") from None
+    return unquote(user), unquote(password)
+
+
 class DigestClientAuthenticator(ClientAuthenticator):
     """The SDK's client authentication, comparing digests: we never hold a client's raw secret."""
 
@@ -228,16 +242,12 @@ class DigestClientAuthenticator(ClientAuthenticator):
         presented: str | None = None
         method = client.token_endpoint_auth_method
         if method == "client_secret_basic":
-            header = request.headers.get("Authorization", "")
-            if not header.startswith("Basic "):
+            basic = basic_credentials(request)
+            if basic is None:
                 raise AuthenticationError("Missing or invalid Basic authentication in Authorization header")
-            try:
-                user, _, presented = base64.b64decode(header[6:], validate=True).decode("utf-8").partition(":")
-            except (ValueError, UnicodeDecodeError):
-                raise AuthenticationError("Invalid Basic authentication header") from None
-            if unquote(user) != client_id:
+            user, presented = basic
+            if user != client_id:
                 raise AuthenticationError("Client ID mismatch in Basic auth")
-            presented = unquote(presented)
         elif method == "client_secret_post":
             value = form.get("client_secret")
             presented = value if isinstance(value, str) else None
