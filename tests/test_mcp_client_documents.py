@@ -212,15 +212,21 @@ async def test_consent_page_names_the_documents_host(front: Front, documents: Do
     assert "Document app" in page.text
 
 
-@pytest.mark.parametrize("name", ["other-name.json", "too-large.json", "too-large-chunked.json", "bad-redirect.json", "with-secret.json",
-                                  "moved.json", "not-json.json", "missing.json"])
+@pytest.mark.parametrize(("name", "reason"), [
+    ("other-name.json", "does not name its own URL"), ("too-large.json", "larger than 5 KiB"),
+    ("too-large-chunked.json", "larger than 5 KiB"), ("bad-redirect.json", "redirect URIs must be https"),
+    ("with-secret.json", "must not carry a client secret"), ("moved.json", "answered with a redirect"),
+    ("not-json.json", "is not JSON"), ("missing.json", "answered with an error status")])
 async def test_unacceptable_documents_are_refused_and_nothing_is_stored(
-        front: Front, documents: DocumentServer, name: str) -> None:
+        front: Front, documents: DocumentServer, name: str, reason: str) -> None:
+    """Refused at the authorization request, which says why (the app's developer reads it there,
+    not in the node's log)."""
     url = documents.url(name)
     _, challenge = _pkce()
     async with httpx.AsyncClient() as http:
         r = await _authorize(http, front.base, url, challenge)
     assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
+    assert reason in r.json()["error_description"], r.text
     assert "consent" not in r.headers.get("location", "")
     assert await _stored(front.db, url) == 0
     if name == "moved.json":

@@ -351,7 +351,11 @@ class _Authorize:
         params = request.query_params if request.method == "GET" else await request.form()
         client_id = params.get("client_id")
         if isinstance(client_id, str):
-            await self.store.prepare_document_client(client_id)
+            refused = await self.store.prepare_document_client(client_id)
+            if refused is not None:
+                # Answered to the browser, never redirected: the document names the redirect URIs.
+                return JSONResponse({"error": "invalid_request", "error_description": refused},
+                                    status_code=400, headers={"Cache-Control": "no-store"})
         try:
             answer = await self.inner.handle(request)
         except _Outage as outage:

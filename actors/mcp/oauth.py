@@ -364,15 +364,21 @@ class OAuthStore:
         log.info("oauth.client_registered", client_id=client_info.client_id,
                  auth_method=client_info.token_endpoint_auth_method)
 
-    async def prepare_document_client(self, client_id: str) -> None:
-        """Fetch and keep the document of a URL ``client_id`` not seen before (or stale).
+    async def prepare_document_client(self, client_id: str) -> str | None:
+        """Fetch and keep the document of a URL ``client_id`` not seen before (or stale); the reason
+        it was refused (fixed text, for the app's developer: the authorization answer says it), or
+        None (kept, fresh, or not a document URL).
 
         Called only by the authorization endpoint, behind its per-address budget: the other
         endpoints (token, revocation, consent) refresh a stale copy but never fetch a document for a
         client id nobody started an authorization with, so unauthenticated requests cannot make the
         node fetch arbitrary URLs at will."""
         if len(client_id) <= 200 and is_document_client_id(client_id):
-            await self._document_client(client_id, first_fetch=True)
+            try:
+                await self._document_client(client_id, first_fetch=True)
+            except DocumentRefused as e:
+                return e.reason
+        return None
 
     async def _document_client(self, url: str, *, first_fetch: bool) -> RegisteredClient | None:
         # A client ID metadata document: the copy in oauth_clients while it is fresh, else fetch again.
@@ -401,6 +407,8 @@ class OAuthStore:
                 raise DocumentRefused("client_id document: " + problem[1])
         except DocumentRefused as e:
             log.warning("oauth.client_document_refused", reason=e.reason)
+            if first_fetch:
+                raise
             return None
         meta = client.model_dump(mode="json", exclude={"client_id", "client_secret"}, exclude_none=True)
         meta["redirect_uris"] = [str(u) for u in client.redirect_uris or []]
