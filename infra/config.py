@@ -116,6 +116,8 @@ class Settings:
     #: Authorization requests per client address per minute, on all MCP nodes together.
     mcp_authorize_per_minute: int = 30
     mcp_subscriptions_per_agent: int = 32
+    #: Most open 2025-11-25 sessions one agent may hold on one MCP node (of the SDK's 10,000).
+    mcp_sessions_per_agent: int = 32
     #: Test only: fetch client ID metadata documents from loopback and private addresses too.
     mcp_cimd_allow_private: bool = False
     #: Extra certificate authorities (PEM file) trusted when fetching client ID metadata documents.
@@ -201,6 +203,7 @@ class Settings:
                                          d.mcp_authorize_per_minute),
             mcp_subscriptions_per_agent=get("MCP_SUBSCRIPTIONS_PER_AGENT", _int(1, 1_000_000),
                                             d.mcp_subscriptions_per_agent),
+            mcp_sessions_per_agent=get("MCP_SESSIONS_PER_AGENT", _int(1, 1_000_000), d.mcp_sessions_per_agent),
             mcp_cimd_allow_private=get("MCP_CIMD_ALLOW_PRIVATE", _flag, d.mcp_cimd_allow_private),
             mcp_cimd_ca_file=get("MCP_CIMD_CA_FILE", lambda _v, raw: Path(raw).expanduser(), None),
             mcp_guide_poll=get("MCP_GUIDE_POLL", _float(0.1, 86400), d.mcp_guide_poll),

@@ -320,6 +320,38 @@ async def test_a_client_secret_basic_client_may_send_its_id_in_the_header_alone(
         assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
 
 
+async def test_one_agent_cannot_take_every_session_of_a_node(db: Database) -> None:
+    """2025-11-25 sessions are bounded per agent (``MCP_SESSIONS_PER_AGENT``), across its tokens (a
+    refreshed one counts with the first): past its share a new session is refused 429 with
+    ``Retry-After`` and nothing opened, another agent still opens one, and an ended session (DELETE)
+    gives its place back. The stateless revision opens no session and is never refused."""
+    async with serve(db, _free_port(), mcp_sessions_per_agent=2) as f, httpx.AsyncClient() as http:
+        client_id, first = await _tokens(http, f.base)
+        r = await _refresh(http, f.base, client_id, first["refresh_token"])
+        assert r.status_code == 200, r.text
+        second = r.json()
+        _, other = await _tokens(http, f.base)
+
+        def auth(tokens: dict[str, Any]) -> dict[str, str]:
+            return {**_MCP_HEADERS, "Authorization": f"Bearer {tokens['access_token']}"}
+
+        opened = [await http.post(f.base + "/mcp", json=_INIT, headers=auth(t)) for t in (first, second)]
+        assert [r.status_code for r in opened] == [200, 200] and all("mcp-session-id" in r.headers for r in opened)
+        refused = await http.post(f.base + "/mcp", json=_INIT, headers=auth(second))
+        assert refused.status_code == 429 and refused.headers["Retry-After"], refused.text
+        assert "already has 2 open sessions" in refused.json()["error"]["message"]
+        assert "mcp-session-id" not in refused.headers
+        assert (await http.post(f.base + "/mcp", json=_INIT, headers=auth(other))).status_code == 200
+        stateless = {**auth(second), "MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "tools/list"}
+        r = await http.post(f.base + "/mcp", headers=stateless,
+                            json={"jsonrpc": "2.0", "id": 3, "method": "tools/list", "params": {"_meta": META}})
+        assert r.status_code == 200 and r.json()["result"]["tools"], r.text
+        ended = await http.delete(f.base + "/mcp", headers={**auth(first), "MCP-Protocol-Version": "2025-11-25",
+                                                             "Mcp-Session-Id": opened[0].headers["mcp-session-id"]})
+        assert ended.status_code == 200, ended.text
+        assert (await http.post(f.base + "/mcp", json=_INIT, headers=auth(second))).status_code == 200
+
+
 async def test_refresh_negatives_are_refused_with_no_effect(front: Front) -> None:
     """Another client's refresh token, a token of the wrong kind, a wider scope, a foreign resource,
     an expired refresh token: each refused; none rotates or revokes the family."""

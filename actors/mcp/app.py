@@ -64,7 +64,7 @@ from actors.mcp import wire
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
-from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SetHeaders
+from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SessionBound, SetHeaders
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import (
     SCOPE_READ,
@@ -169,7 +169,8 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
                                BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
                                resource_metadata=f"{issuer}/.well-known/oauth-protected-resource/mcp",
-                               scopes=tool_scopes, all_scopes=" ".join(SCOPES), stream_opened=stream_opened)
+                               scopes=tool_scopes, all_scopes=" ".join(SCOPES), stream_opened=stream_opened,
+                               sessions=SessionBound(settings.mcp_sessions_per_agent, _session_counter(server)))
 
     registration = ClientRegistrationOptions(enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES))
     # The issuer as a plain string: the metadata model keeps a path-less URL without a trailing slash,
@@ -230,6 +231,19 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
 
 log = get_logger("toastmachine.mcp")
+
+
+def _session_counter(server: MCPServer) -> Callable[[str], int]:
+    """``open_sessions(agent_id)`` of :class:`SessionBound`: the live 2025-11-25 sessions of an
+    agent on this node, from the owner the SDK's session manager records for each (its private
+    ``_session_owners``: session id → the principal that opened it, whose subject is our agent id;
+    a session leaves it however it ends: DELETE, idle expiry, a crash)."""
+
+    def open_sessions(agent_id: str) -> int:
+        owners = server.session_manager._session_owners  # private: see the docstring
+        return sum(1 for owner in owners.values() if owner.get("subject") == agent_id)
+
+    return open_sessions
 
 
 async def _database_unavailable(_request: Request, exc: Exception) -> Response:

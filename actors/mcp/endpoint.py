@@ -19,6 +19,9 @@ used to be five nested middlewares and a second Starlette app:
 4. ``Server: ToastMachine`` and ``Cache-Control: no-store`` on every answer;
 5. a 2025-11-25 session's GET stream answered: ``stream_opened(session_id)`` (so that notifications
    held while the session had no stream are sent now: :class:`actors.mcp.notify.LegacySubscriptions`);
+   and a request that would open a 2025-11-25 session refused (429) when its agent already holds
+   ``sessions_per_agent`` on this node (:class:`SessionBound`), so that one agent cannot take every
+   session the SDK keeps;
 6. the SDK's session manager (``handle_request``, its public entry: body limit, DNS-rebinding
    checks, both protocol revisions).
 
@@ -29,14 +32,17 @@ but only behind a barrier that makes a revoked grant stop working at once on eve
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
 import orjson
 from mcp.server.auth.middleware.auth_context import auth_context_var
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, BearerAuthBackend
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,6 +51,8 @@ from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
 from protocol.errors import ApiError
 from protocol.validation import decode_json_body
 
+#: Seconds a client refused a new session is told to wait (Retry-After).
+SESSION_RETRY_AFTER = 30
 #: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
 GATE_MAX_BYTES = 4 * 1024 * 1024
 
@@ -99,6 +107,44 @@ def challenge(resource_metadata: str, *, error: str | None, description: str, sc
     return f'Bearer {found}resource_metadata="{resource_metadata}", scope="{scope}"'
 
 
+class SessionBound:
+    """At most ``per_agent`` open 2025-11-25 sessions per agent on this node.
+
+    ``open_sessions(agent_id)`` counts the agent's live sessions (the SDK's session manager knows
+    who opened each); the requests opening a session for an agent right now count too, so that
+    concurrent ones cannot all pass the same count."""
+
+    def __init__(self, per_agent: int, open_sessions: Callable[[str], int]) -> None:
+        self.per_agent = per_agent
+        self.open_sessions = open_sessions
+        self._opening: collections.Counter[str] = collections.Counter()
+
+    @staticmethod
+    def opens_session(scope: Scope) -> bool:
+        """Whether the session manager would open a session for this request: a POST with no session
+        id, under no protocol version or a handshake one (the stateless revision opens none)."""
+        if scope["method"] != "POST":
+            return False
+        headers = dict(scope.get("headers", ()))
+        if b"mcp-session-id" in headers:
+            return False
+        version = headers.get(b"mcp-protocol-version")
+        return version is None or version.decode("latin-1") in HANDSHAKE_PROTOCOL_VERSIONS
+
+    def full(self, agent_id: str) -> bool:
+        return self.open_sessions(agent_id) + self._opening[agent_id] >= self.per_agent
+
+    @contextlib.contextmanager
+    def opening(self, agent_id: str) -> Iterator[None]:
+        self._opening[agent_id] += 1
+        try:
+            yield
+        finally:
+            self._opening[agent_id] -= 1
+            if not self._opening[agent_id]:
+                del self._opening[agent_id]
+
+
 class McpEndpoint:
     """The ASGI app of ``/mcp``: bearer check, scope gate and fixed headers around ``handler``.
 
@@ -109,13 +155,15 @@ class McpEndpoint:
 
     def __init__(self, handler: ASGIApp, backend: BearerAuthBackend, *, resource_metadata: str,
                  scopes: Callable[[], Mapping[str, str]], all_scopes: str,
-                 stream_opened: Callable[[str], None] | None = None) -> None:
+                 stream_opened: Callable[[str], None] | None = None,
+                 sessions: SessionBound | None = None) -> None:
         self.handler = handler
         self.backend = backend
         self.resource_metadata = resource_metadata
         self.scopes = scopes
         self.all_scopes = all_scopes
         self.stream_opened = stream_opened
+        self.sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = setting_headers(send, _MCP_HEADERS)
@@ -148,9 +196,17 @@ class McpEndpoint:
             if session_id:
                 sending = _on_event_stream(sending, session_id, self.stream_opened)
 
+        opening: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        agent_id = user.access_token.subject
+        if self.sessions is not None and agent_id is not None and SessionBound.opens_session(scope):
+            if self.sessions.full(agent_id):
+                await _too_many_sessions(sending, self.sessions.per_agent)
+                return
+            opening = self.sessions.opening(agent_id)
         context, refusal_context = auth_context_var.set(user), BODY_REFUSAL.set(refusal)
         try:
-            await self.handler(scope, receive, sending)
+            with opening:
+                await self.handler(scope, receive, sending)
         finally:
             BODY_REFUSAL.reset(refusal_context)
             auth_context_var.reset(context)
@@ -204,6 +260,18 @@ def _read_calls(body: bytes) -> tuple[list[dict[str, Any]], ApiError | None]:
     if isinstance(decoded, list) or len(calls) != 1:
         refusal = None  # a batch (which the revisions served here do not accept) is the SDK's to answer
     return calls, refusal
+
+
+async def _too_many_sessions(send: Send, per_agent: int) -> None:
+    """Answer 429 (JSON-RPC error body, as the SDK answers its own session refusals, and
+    ``Retry-After``): the agent holds its share of this node's sessions."""
+    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32000, "message": f"This agent already has {per_agent} open sessions on this MCP node: end one "
+                                   "(DELETE with its Mcp-Session-Id) or wait for an idle one to expire, then retry."}})
+    await send({"type": "http.response.start", "status": 429,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", str(SESSION_RETRY_AFTER).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def send_unavailable(send: Send) -> None:

@@ -39,11 +39,12 @@ class ClientSlots:
         self._by_client: collections.Counter[str] = collections.Counter()
         #: Requests waiting for a place on the node now.
         self.waiting = 0
+        self._held = 0
 
     @property
     def held(self) -> int:
         """Places held now on this node."""
-        return self.total - self._free._value
+        return self._held
 
     @contextlib.asynccontextmanager
     async def hold(self, request: web.Request) -> AsyncIterator[None]:
@@ -64,9 +65,11 @@ class ClientSlots:
                 self._refuse("node")
             finally:
                 self.waiting -= 1
+            self._held += 1
             try:
                 yield
             finally:
+                self._held -= 1
                 self._free.release()
         finally:
             self._by_client[key] -= 1
