@@ -318,11 +318,24 @@ def _machine(tmp_path: Path, name: str, archive: Path, **env: str) -> dict[str, 
             "TOASTMACHINE_ARCHIVE_SEGMENT_EVENTS": "2", "TOASTMACHINE_ARCHIVE_SEGMENT_SECONDS": "0.2", **env}
 
 
+@contextlib.asynccontextmanager
+async def _reaped(proc: procs.NodeProcess) -> AsyncIterator[None]:
+    """A process the deployment does not stop (one that must exit on its own), killed if the block
+    fails while it still runs."""
+    try:
+        yield
+    finally:
+        if proc.proc.returncode is None:
+            proc.signal(signal.SIGKILL)
+            await proc.wait(timeout=WAIT)
+
+
 async def _refused(dep: Deployment, name: str, env: dict[str, str], *, exited_before_start: bool) -> str:
     """Start an archiver that must stop with exit 2 for its key; what it printed."""
     proc = await procs.start(env={**dep.env, "TOASTMACHINE_NODE_ID": name, **env},
                              program=("/bin/sh", "-c", dep.commands["archiver"]))
-    assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
+    async with _reaped(proc):
+        assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
     output = "\n".join(proc.output)
     assert ("ToastMachine running archiver" not in output) == exited_before_start, output
     assert "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output and "is not the one that signs the archive" in output
@@ -390,11 +403,13 @@ async def test_a_key_published_while_a_standby_waited_stops_it_before_it_signs(
         async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
             env = _machine(tmp_path, "b", archive, TOASTMACHINE_NODE_ID="arch-b")
             proc = await procs.start(env={**dep.env, **env}, program=("/bin/sh", "-c", dep.commands["archiver"]))
-            await proc.wait_for_line(r"archiver\.standby", timeout=WAIT)
-            other = generate_signer_key(archive_origin(corpus_id))
-            await ArchiveStore.local(archive).put(public_key_key(lineage), (other.verifier().text() + "\n").encode())
-            await lock.execute("select pg_advisory_unlock($1)", ARCHIVER_LOCK)
-            assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
+            async with _reaped(proc):
+                await proc.wait_for_line(r"archiver\.standby", timeout=WAIT)
+                other = generate_signer_key(archive_origin(corpus_id))
+                await ArchiveStore.local(archive).put(public_key_key(lineage),
+                                                      (other.verifier().text() + "\n").encode())
+                await lock.execute("select pg_advisory_unlock($1)", ARCHIVER_LOCK)
+                assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
             output = "\n".join(proc.output)
             assert other.verifier().text() in output and "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output
             assert not procs.unexpected_tracebacks(proc.output), output
