@@ -8,9 +8,9 @@ trusted proxies), so clients behind one load balancer are not lumped together as
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from aiohttp import web
@@ -22,24 +22,37 @@ from infra.http import request_client
 Refuse = Callable[[str], NoReturn]
 
 
+@dataclass(slots=True)
+class _Client:
+    """One client's share: its places, and the requests holding or waiting for one (the entry
+    goes when none is left)."""
+
+    places: asyncio.Semaphore
+    users: int = 0
+
+
+@dataclass(slots=True)
 class ClientSlots:
     """At most ``total`` holders at once on this node, and ``per_client`` per client.
 
-    A client over its share is refused at once: waiting could only end when it closes one of its
-    own. A client under it waits up to ``wait`` seconds for a place on the node (0: refused at once
-    when the node is full); the places taken by waiting requests count towards their client's share.
+    A request waits up to ``wait`` seconds in all for a place of its client's share and one on the
+    node (a client that dropped an answer and asks again at once gets its place as soon as the node
+    has seen the first one go); 0: refused at once when either is taken. Waiting takes no database
+    connection, only the request's own coroutine.
     """
 
-    def __init__(self, total: int, per_client: int, refuse: Refuse, *, wait: float = 0.0) -> None:
-        self.total = total
-        self.per_client = per_client
-        self.wait = wait
-        self._refuse = refuse
-        self._free = asyncio.Semaphore(total)
-        self._by_client: collections.Counter[str] = collections.Counter()
-        #: Requests waiting for a place on the node now.
-        self.waiting = 0
-        self._held = 0
+    total: int
+    per_client: int
+    refuse: Refuse
+    wait: float = 0.0
+    #: Requests waiting for a place now.
+    waiting: int = 0
+    _free: asyncio.Semaphore = field(init=False)
+    _clients: dict[str, _Client] = field(init=False, default_factory=dict)
+    _held: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._free = asyncio.Semaphore(self.total)
 
     @property
     def held(self) -> int:
@@ -49,29 +62,41 @@ class ClientSlots:
     @contextlib.asynccontextmanager
     async def hold(self, request: web.Request) -> AsyncIterator[None]:
         """A place for the block, for the request's client, or the refusal."""
-        client = request_client(request)
-        key = str(client) if client is not None else "unknown"
-        if self._by_client[key] >= self.per_client:
-            self._refuse("client")
-        self._by_client[key] += 1
+        client_address = request_client(request)
+        key = str(client_address) if client_address is not None else "unknown"
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = _Client(asyncio.Semaphore(self.per_client))
+        client.users += 1
         try:
-            if self._free.locked() and self.wait <= 0:
-                self._refuse("node")
-            self.waiting += 1
+            deadline = asyncio.get_running_loop().time() + self.wait
+            await self._take(client.places, "client", deadline)
             try:
-                async with asyncio.timeout(self.wait if self.wait > 0 else None):
-                    await self._free.acquire()
-            except TimeoutError:
-                self._refuse("node")
+                await self._take(self._free, "node", deadline)
+                self._held += 1
+                try:
+                    yield
+                finally:
+                    self._held -= 1
+                    self._free.release()
             finally:
-                self.waiting -= 1
-            self._held += 1
-            try:
-                yield
-            finally:
-                self._held -= 1
-                self._free.release()
+                client.places.release()
         finally:
-            self._by_client[key] -= 1
-            if not self._by_client[key]:
-                del self._by_client[key]
+            client.users -= 1
+            if not client.users:
+                del self._clients[key]
+
+    async def _take(self, places: asyncio.Semaphore, cap: str, deadline: float) -> None:
+        if self.wait <= 0:
+            if places.locked():
+                self.refuse(cap)
+            await places.acquire()  # free: taken without waiting
+            return
+        self.waiting += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                await places.acquire()
+        except TimeoutError:
+            self.refuse(cap)
+        finally:
+            self.waiting -= 1
