@@ -9,7 +9,6 @@ text: no stack trace, SQL message or secret ever reaches a client.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from infra.client_address import Address, TrustedProxies, client_address
-from infra.logs import bound_trace, get_logger
+from infra.logs import bound_trace, get_logger, valid_trace_id
 from infra.metrics import Metrics
 from infra.outages import DB_UNAVAILABLE_ERRORS, unavailable
 from protocol.errors import (
@@ -53,7 +52,6 @@ class ClientGone(Exception):
 
     Deliberately not an OSError: the middleware must not take it for the database going away.
     """
-_TRACE_RE = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -120,7 +118,7 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
                 metrics.requests.labels(request.method, route, str(status)).inc()
                 metrics.latency.labels(request.method, route).observe(time.perf_counter() - started)
 
-        with bound_trace(incoming if _TRACE_RE.match(incoming) else None,
+        with bound_trace(valid_trace_id(incoming),
                          method=request.method, path=request.path,
                          client=str(client) if client is not None else "unknown") as trace_id:
             request[TRACE_ID] = trace_id  # for answers streamed before the handler returns (trace_header)

@@ -18,6 +18,10 @@ from typing import Any
 import structlog
 
 TRACE_HEADER = "x-trace-id"
+#: What a trace id taken from outside (an HTTP ``X-Trace-Id``, a message's ``x-trace-id``) must look
+#: like to be kept: anything else is replaced by a fresh one, so that no sender can put arbitrary
+#: text into every log line and event header downstream.
+_TRACE_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 _trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tm_trace_id", default=None)
 
@@ -25,6 +29,12 @@ _trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tm_trace
 def new_trace_id() -> str:
     """A fresh random trace id (32 hex characters)."""
     return uuid.uuid4().hex
+
+
+def valid_trace_id(value: object) -> str | None:
+    """``value`` when it is a trace id this system keeps (8 to 64 letters, digits, ``_`` or ``-``),
+    else None."""
+    return value if isinstance(value, str) and _TRACE_RE.fullmatch(value) else None
 
 
 def current_trace_id() -> str | None:

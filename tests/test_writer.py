@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -222,6 +223,40 @@ async def test_group_commit_applies_a_burst_in_one_transaction(bus: Bus, db: Dat
         await writer.stop(grace=2)
 
 
+async def test_a_batch_with_an_unknown_author_commits_the_rest_and_every_change_has_a_trace_id(
+        bus: Bus, db: Database) -> None:
+    """One transaction (the write budget on, as in production) for three commands: the two of an
+    agent commit, the one of an unknown author is refused alone, and the batch is not retried
+    command by command. A command whose ``x-trace-id`` is no trace id (20,000 characters), or that
+    has none, gets a fresh one: every change, hence every event, carries a well-formed trace id."""
+    from infra.ratelimit import write_budget
+
+    identity = await ensure_identity(db, None, None)
+    author = uuid.uuid4()
+    await db.pool.execute("insert into agents (agent_id, name, credential_hash) values ($1, 'traced', $2)",
+                          author, hashlib.sha256(b"a third fake credential").digest())
+    writer = CorpusWriter(bus, node_id="w", db=db, identity=identity, max_batch=3, linger=30,
+                          write_budget=write_budget(100))
+    await writer.start()
+    try:
+        def command(author_id: uuid.UUID, token: str) -> WriteCommand:
+            return WriteCommand(operation="conversation.create", target=None, body={"subject": token, "content": "c"},
+                                author_id=str(author_id), author_name="traced", token=token)
+
+        sends = [(command(author, "t-junk"), {"x-trace-id": "x" * 20_000}), (command(author, "t-none"), {}),
+                 (command(uuid.uuid4(), "t-stranger"), {"x-trace-id": "f00dfeedf00dfeed"})]
+        replies = await asyncio.gather(*(
+            bus.request(COMMANDS_EXCHANGE, identity.scope.command_key(c.operation), c, timeout=30,
+                        headers={**identity.scope.headers(), **h}) for c, h in sends))
+        statuses = [getattr(r.message, "status", None) for r in replies]
+        assert statuses == [201, 201, 401], [r.message for r in replies]
+        rows = await db.pool.fetch("select trace_id, xmin::text as x from changes")
+        assert len(rows) == 2 and len({r["x"] for r in rows}) == 1
+        assert all(re.fullmatch(r"[A-Za-z0-9_-]{8,64}", r["trace_id"] or "") for r in rows), rows
+    finally:
+        await writer.stop(grace=2)
+
+
 async def test_a_foreign_command_is_refused_dead_lettered_and_never_applied(bus: Bus, db: Database) -> None:
     """Commands that reach this corpus's writer queue but name another corpus or history (or none)
     in their headers, as a hand-published or misbound command would: each is answered 503
@@ -297,12 +332,16 @@ async def test_the_writer_unbinds_the_single_corpus_queue(bus: Bus) -> None:
         await bus.delete_queue(legacy)  # type: ignore[attr-defined]
 
 
-async def test_a_command_the_store_cannot_apply_is_never_a_500(bus: Bus, db: Database) -> None:
-    """A command of this corpus that the store fails on (here: an author this database does not
-    know, as a command of another corpus would be) is refused with 503 ``write_not_applied``, never
-    500, writes nothing, and is kept in the dead letters with the reason."""
+async def test_a_command_of_an_unknown_author_is_refused_alone_and_dead_lettered(
+        bus: Bus, db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    """A command of this corpus whose author this database does not know (forged on the broker, or
+    a command of another corpus's agent) is refused 401 ``unknown_agent``, never 500, writes nothing,
+    is kept in the dead letters with the reason, and logs no traceback or SQL (the database's
+    foreign-key refusal used to fail the whole batch and be logged with its detail)."""
     stranger = WriteCommand(operation="conversation.create", target=None, body={"subject": "s", "content": "c"},
                             author_id=str(uuid.uuid4()), author_name="stranger", token="t-unknown-author")
     reply, reason = await _refused_and_dead_lettered(bus, db, stranger)
-    assert (reply.status, reply.code) == (503, "write_not_applied"), reply
-    assert "the writer failed on it" in reason
+    assert (reply.status, reply.code) == (401, "unknown_agent"), reply
+    assert reason.startswith("unknown author")
+    assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert not any("violates" in r.getMessage() for r in caplog.records)

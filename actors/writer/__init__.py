@@ -42,7 +42,7 @@ from actors.writer.store import CorpusStore, Outcome, Prepared
 from infra.bus.base import COMMANDS_EXCHANGE, Bus, Delivery, QueueKind, QueueSpec
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import UNAVAILABLE_ERRORS
-from infra.logs import get_logger
+from infra.logs import current_trace_id, get_logger
 from infra.ratelimit import Gcra
 from infra.runtime import ConsumerActor
 from protocol.commands import WriteCommand
@@ -184,7 +184,7 @@ class GroupCommit:
             log.exception("writer.command_failed", operation=batch[0].prepared.command.operation)
             self._settle(batch, [(Outcome(error=_not_applied()), f"the writer failed on it: {type(e).__name__}")])
             return
-        self._settle(batch, [(o, None) for o in outcomes])
+        self._settle(batch, [(o, o.dead_reason) for o in outcomes])
 
     async def _database_reachable(self) -> bool:
         try:
@@ -300,7 +300,9 @@ class CorpusWriter(ConsumerActor):
         if self._commit is None:
             raise RuntimeError("this writer has no database")  # requeued: another writer can take it
         try:
-            prepared = Prepared.from_command(command, delivery.trace_id)
+            # The trace id the delivery is handled under: the command's, or a fresh one when it
+            # came without a valid one, so that every change (and its event) carries one.
+            prepared = Prepared.from_command(command, current_trace_id())
         except ApiError as e:
             # The ingress validates with the same functions, so this is an old or foreign sender.
             await self._reply(delivery, error_reply(e))

@@ -47,11 +47,22 @@ import orjson
 
 from infra.db import CorpusIdentity, Database
 from infra.db.pool import connection
+from infra.logs import get_logger
 from infra.ratelimit import Gcra, retry_after_seconds
 from protocol import corpus
 from protocol import representations as rep
 from protocol.commands import WriteCommand, WriteResult
-from protocol.errors import ApiError, Conflict, Forbidden, NotFound, TooManyRequests, Unprocessable
+from protocol.errors import (
+    ApiError,
+    Conflict,
+    Forbidden,
+    NotFound,
+    TooManyRequests,
+    Unauthorized,
+    Unprocessable,
+)
+
+log = get_logger("toastmachine.actors.writer.store")
 
 #: Key of the advisory lock that serialises sequence assignment (any constant unique to us).
 SEQUENCE_LOCK = 0x746D_5345_5100  # "tmSEQ"
@@ -86,6 +97,8 @@ class Outcome:
 
     result: WriteResult | None = None
     error: ApiError | None = None
+    #: Why the command is also kept in the dead letters (a sender from outside the ingress); None: not.
+    dead_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +214,8 @@ class CorpusStore:
         rows = await conn.fetch(_LOCK_BUDGETS, agents)
         for row in rows:
             state.budgets[str(row["agent_id"])] = _Budget(tat=row["tat"], now=row["now"])
+        if not rows:
+            return  # no author of the batch is an agent: each command is refused in phase 1
         # Every row was locked before the last clock reading: decide on that one, the latest.
         now = max(row["now"] for row in rows)
         for budget in state.budgets.values():
@@ -247,6 +262,10 @@ class CorpusStore:
         pending: list[_Pending] = []
         for index, row in zip(indexes, rows, strict=True):
             prepared = batch[index]
+            if not row["author_known"]:
+                state.outcomes[index] = Outcome(error=_unknown_author(prepared),
+                                                dead_reason="unknown author: no agent of this corpus has its id")
+                continue
             try:
                 if self._replayed(state, index, prepared, row):
                     continue
@@ -599,7 +618,8 @@ class CorpusStore:
 #: these two methods are switched off; sequential scans stay possible where nothing else exists
 #: (the trigger's transition table).
 _KEYED_PLANS = "set local enable_hashjoin = off; set local enable_mergejoin = off"
-_LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select unnest($1::uuid[]) "
+_LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select a.agent_id from agents a "
+                 "where a.agent_id = any($1::uuid[]) "
                  "on conflict (agent_id) do update set tat = b.tat "
                  "returning agent_id, extract(epoch from tat)::float8 as tat, "
                  "extract(epoch from clock_timestamp())::float8 as now")
@@ -622,6 +642,7 @@ _READ_OPERATION = ("select o.request_hash, o.status, o.response, o.sequence from
 #: not need are skipped by a one-time filter on the null key.
 _READ_BATCH = (
     "select o.request_hash, o.status, o.response, o.sequence, "
+    "exists (select 1 from agents x where x.agent_id = c.author_id) as author_known, "
     "(select array_agg(row(a.agent_id, a.name)) from agents a where lower(a.name) = any("
     "  select x.name from unnest($10::bigint[], $11::text[]) as x(ord, name) where x.ord = c.ord)) as mentions, "
     "(select v.partition from conversations v where v.id = c.conversation_id) as partition, "
@@ -722,3 +743,12 @@ def _duplicate(existing: str) -> Conflict:
 def _already_retracted() -> Conflict:
     return Conflict("This relationship is already retracted.", code="already_retracted",
                     how_to_proceed="Nothing to do; a retraction is final.")
+
+
+def _unknown_author(prepared: Prepared) -> Unauthorized:
+    """The refusal of a command whose author is no agent of this corpus. The ingress only sends
+    commands of agents it authenticated, so this is a sender from outside it (a forged or stale
+    command on the broker): refused alone, without touching the batch's transaction."""
+    log.warning("writer.unknown_author", operation=prepared.command.operation)
+    return Unauthorized("The command's author is not an agent of this corpus.", code="unknown_agent",
+                        how_to_proceed="Register with POST /register and write with the credential it returns.")

@@ -61,6 +61,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
+from infra.logs import TRACE_HEADER, valid_trace_id
 from protocol.messages import BusMessage, encode_message
 
 if TYPE_CHECKING:  # infra.bus.batch imports this module, so the batcher is named for the type checker only
@@ -134,8 +135,9 @@ class Delivery(abc.ABC):
 
     @property
     def trace_id(self) -> str | None:
-        value = self.headers.get("x-trace-id")
-        return str(value) if value is not None else None
+        """The message's ``x-trace-id`` when it is a well-formed trace id (None otherwise: the
+        consumer binds a fresh one, see :func:`infra.bus.policy.handle_delivery`)."""
+        return valid_trace_id(self.headers.get(TRACE_HEADER))
 
     @property
     def deadline(self) -> float | None:
