@@ -169,7 +169,7 @@ class Settings:
             corpus_id=get("CORPUS_ID", _uuid, None),
             lineage=get("LINEAGE", _uuid, None),
             archive_url=get("ARCHIVE_URL", check_archive_url, None),
-            archive_s3_endpoint=get("ARCHIVE_S3_ENDPOINT", _url("http", "https"), None),
+            archive_s3_endpoint=get("ARCHIVE_S3_ENDPOINT", _endpoint, None),
             archive_s3_region=get("ARCHIVE_S3_REGION", lambda _v, raw: raw, None),
             archive_s3_access_key_id=get("ARCHIVE_S3_ACCESS_KEY_ID", lambda _v, raw: raw, None),
             archive_s3_secret_access_key=get("ARCHIVE_S3_SECRET_ACCESS_KEY", lambda _v, raw: raw, None),
@@ -232,13 +232,21 @@ _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOA
             "TOASTMACHINE_REQUIRE_SERVICES"}
 
 
+#: Query parameters of a connection URL that hold a secret (libpq takes ``password`` and
+#: ``sslpassword`` there as well as in the user-info part).
+_SECRET_PARAMETERS = re.compile(r"(?P<name>(?:^|[?&;])(?:ssl)?password=)[^&;#\s]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """Replace the password of a URL with ***."""
+    """Replace the password of a URL with ***: in its user-info part and in a ``password`` or
+    ``sslpassword`` query parameter."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        parts = parts._replace(netloc=netloc)
+    if parts.query:
+        parts = parts._replace(query=_SECRET_PARAMETERS.sub(r"\g<name>***", parts.query))
+    return parts.geturl()
 
 
 def _url(*schemes: str) -> Callable[[str, str], str]:
@@ -254,6 +262,17 @@ def _url(*schemes: str) -> Callable[[str, str], str]:
             raise ConfigError(f"{var} must be a URL with scheme {' or '.join(schemes)}, got {got}")
         return raw
     return parse
+
+
+def _endpoint(var: str, raw: str) -> str:
+    """An S3 endpoint: an http(s) URL without credentials (they have settings of their own, which
+    are never printed; a URL is)."""
+    value = _url("http", "https")(var, raw)
+    parts = urlsplit(value)
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{var} must not carry a user name or password: set TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID "
+                          "and TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY instead")
+    return value
 
 
 def _signer_key(var: str, raw: str) -> str:

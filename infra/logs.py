@@ -99,6 +99,8 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
 
 #: A URL's password (``scheme://user:password@``), wherever a line holds one.
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
+#: A URL's ``password=`` or ``sslpassword=`` query parameter (libpq reads both), wherever a line holds one.
+_PASSWORD_PARAMETER = re.compile(r"(?P<name>[?&;](?:ssl)?password=)[^&;#\s'\"]*", re.IGNORECASE)
 #: Libraries whose failures while reconnecting are expected during an outage: our own lines say
 #: what happened (bus.connection_lost, writer.database_unavailable...), so theirs are one line each.
 _RECONNECTING_LIBRARIES = ("asyncpg", "aiormq", "aio_pika", "pamqp")
@@ -109,7 +111,8 @@ class _RedactingFormatter(structlog.stdlib.ProcessorFormatter):
     last guard for what a library puts in its own messages."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return _URL_PASSWORD.sub(r"\g<head>***@", super().format(record))
+        line = _URL_PASSWORD.sub(r"\g<head>***@", super().format(record))
+        return _PASSWORD_PARAMETER.sub(r"\g<name>***", line)
 
 
 def _library_lines(record: logging.LogRecord) -> bool:

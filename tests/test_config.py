@@ -75,6 +75,11 @@ def test_bad_value_names_the_variable(var: str, value: str, needle: str) -> None
 
 def test_redaction_hides_passwords() -> None:
     assert redact_url("amqp://guest:s3cret@mq:5672/") == "amqp://guest:***@mq:5672/"
+    assert redact_url("postgresql://tm@db/tm?sslmode=require&Password=s3cret&sslpassword=k3y") == \
+        "postgresql://tm@db/tm?sslmode=require&Password=***&sslpassword=***"
+    assert redact_url("postgresql://db/tm?application_name=password") == "postgresql://db/tm?application_name=password"
+    with pytest.raises(ConfigError, match="must not carry a user name or password"):
+        Settings.from_env({"TOASTMACHINE_ARCHIVE_S3_ENDPOINT": "http://key:s3cret@127.0.0.1:8333"})
     s = Settings.from_env({"TOASTMACHINE_DATABASE_URL": "postgresql://tm:hunter2@db/tm"})
     assert "hunter2" not in str(s.redacted())
 

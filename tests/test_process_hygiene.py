@@ -172,18 +172,26 @@ async def test_a_service_url_with_an_impossible_port_is_a_configuration_error(tm
     assert len(lines) == 1 and lines[0].startswith("toastmachine: configuration error: TOASTMACHINE_DATABASE_URL"), lines
 
 
-async def test_a_database_outage_logs_no_password_and_no_traceback(tmp_path: Path, database_url: str) -> None:
+@pytest.mark.parametrize("where", ["userinfo", "query"])
+async def test_a_database_outage_logs_no_password_and_no_traceback(tmp_path: Path, database_url: str,
+                                                                   where: str) -> None:
     """The node's database goes away for a while (a forwarder in front of it cut: every connection
     dropped, new ones refused) and comes back: the node says so in one line per event and never
-    shows the password of its database URL (with rich installed, structlog's tracebacks showed
-    every frame's local variables, a connection's DSN among them)."""
+    shows the password of its database URL, given as ``user:password@`` or as libpq's
+    ``?password=`` (with rich installed, structlog's tracebacks showed every frame's local
+    variables, a connection's DSN among them; the query form was printed by every DSN label)."""
     from tests.tcp_proxy import TcpProxy
 
     server = urlsplit(database_url)
     proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
     await proxy.up()
     password = f"Pw-{uuid.uuid4().hex}"  # trust authentication ignores it; it must still never be shown
-    url = f"postgresql://{server.username or 'postgres'}:{password}@127.0.0.1:{proxy.port}{server.path}"
+    user = server.username or "postgres"
+    url = (f"postgresql://{user}:{password}@127.0.0.1:{proxy.port}{server.path}" if where == "userinfo" else
+           f"postgresql://{user}@127.0.0.1:{proxy.port}{server.path}?sslmode=disable&password={password}")
+    doctor = await procs.start("doctor", env=_env(tmp_path / "data", TOASTMACHINE_DATABASE_URL=url))
+    await doctor.wait(timeout=60)
+    assert password not in "\n".join(doctor.output) and "database" in "\n".join(doctor.output)
     node = await procs.start("up", env=_env(tmp_path / "data", TOASTMACHINE_DATABASE_URL=url))
     try:
         await node.wait_listening(timeout=60)
