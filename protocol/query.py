@@ -35,6 +35,17 @@ def invalid(field: str, message: str, how_to_proceed: str) -> BadRequest:
     return BadRequest(message, code="invalid_parameter", extra={"field": field}, how_to_proceed=how_to_proceed)
 
 
+def check_within_head(field: str, after: int, head: int) -> None:
+    """400 when a follower's position ``after`` is past the ``head`` of this history: it is not a
+    position in it (another history's, or computed), and following from there would wait for ever
+    without a word. Every follow surface (the stream, the export, the MCP tool) answers it alike."""
+    if after > head:
+        raise invalid(field, f"{field} {after} is beyond the head of this history ({head}).",
+                      "Resume from the sequence of the last change you received from this corpus "
+                      "(never more than the head, see GET /corpus); to start again, omit after (the stream "
+                      "then starts at the head, the export at the beginning) or load a snapshot.")
+
+
 class Query:
     """The query string of one request, read against the parameters a route accepts.
 

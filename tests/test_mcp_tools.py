@@ -199,6 +199,8 @@ async def test_every_read_tool_answers_what_the_http_api_answers(stack: Stack) -
         got = await mcp.ok("get_changes", after=2, limit=3)
         assert got["items"] == lines and got["next"] == {"after": lines[-1]["sequence"]}
         assert got["head_sequence"] == int(resp.headers["X-Corpus-At"])
+        beyond = await mcp.error("get_changes", after=got["head_sequence"] + 5)  # as the export and the stream
+        assert beyond["field"] == "after" and "beyond the head" in beyond["message"], beyond
 
         resource = await mcp.client.read_resource(CORPUS_URI)
         assert orjson.loads(resource.contents[0].text) == await _get(stack, "/corpus")  # type: ignore[union-attr]

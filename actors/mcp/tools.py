@@ -50,7 +50,7 @@ from infra.ratelimit import KeyedTokenBucket, local_bucket, write_budget
 from protocol import corpus
 from protocol.corpus import KINDS, RELATIONSHIP_TYPES
 from protocol.errors import ApiError, BadRequest, LineageMismatch, ServiceUnavailable
-from protocol.query import DEFAULT_LIMIT, MAX_LIMIT, Query, page_query, path_uuid
+from protocol.query import DEFAULT_LIMIT, MAX_LIMIT, Query, check_within_head, page_query, path_uuid
 
 if TYPE_CHECKING:
     from toastmachine.node import Node
@@ -428,6 +428,7 @@ def register_tools(server: MCPServer, deps: ToolDeps) -> None:
             q = _query(("after", "limit"), after=after, limit=limit)
             start, size = q.sequence("after") or 0, q.limit()
             page = await corpus_reads.changes_page(t.pool, start, size)
+            check_within_head("after", start, page.head)
             last = page.envelopes[-1]["sequence"] if page.envelopes else None
             return {"items": page.envelopes, "next": {"after": last} if page.more and last is not None else None,
                     "head_sequence": page.head, "earliest_sequence": page.earliest}

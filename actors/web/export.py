@@ -42,7 +42,7 @@ from infra.http import negotiate, single_header
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
-from protocol.query import Query
+from protocol.query import Query, check_within_head
 
 log = get_logger("toastmachine.actors.web.export")
 
@@ -228,6 +228,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
             conn.transaction(isolation="repeatable_read", readonly=True):
         bounds = await conn.fetchrow(_PAGE_BOUNDS, after, limit)
         head, last = bounds["head"], bounds["last"]
+        check_within_head("after", after, head)
         next_after = last if last is not None else after
         query: dict[str, str | int] = {"after": next_after, "limit": limit}
         if echoed_lineage is not None:

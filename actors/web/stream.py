@@ -48,7 +48,7 @@ from infra.http import single_header
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from protocol.errors import ServiceUnavailable
-from protocol.query import Query, invalid
+from protocol.query import Query, check_within_head
 from protocol.representations import EVENT_TYPES, RELATIONSHIP_ASSERTED, RELATIONSHIP_RETRACTED
 
 log = get_logger("toastmachine.actors.web.stream")
@@ -308,11 +308,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return headers_only
     async with request.app[STREAM_SLOTS].hold(request):
         if after is not None:
-            head = await head_sequence(node.db)
-            if after > head:
-                raise invalid(field, f"{field} {after} is beyond the head of this history ({head}).",
-                              "Resume from the sequence of the last change you received from this corpus "
-                              "(never more than the head, see GET /corpus), or omit after to start at the head.")
+            check_within_head(field, after, await head_sequence(node.db))
         return await _serve(request, after, filters, corpus_id, lineage)
 
 
