@@ -256,6 +256,36 @@ async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes
             await source.get(key, max_bytes=largest["size"] - 1)
 
 
+async def test_a_node_whose_history_went_back_stops_the_mirror_as_a_fork(
+        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    """The node's last changes vanish under the same lineage (its database restored from an older
+    backup: here deleted behind the triggers' back), so its head is behind what the mirror applied
+    from its tail: the node answers the mirror's ``after`` with 400, and the mirror stops as at a
+    fork (its process would exit) instead of polling a history that will never reach it."""
+    from actors.recovery.mirror import MirrorFork
+
+    async with _node_and_mirror(stack_backends, tmp_path) as pair:
+        node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
+        alice = await node.register("alice-rewound")
+        first = await node.conversation(alice, "rewound", content="kept")
+        async with archiving(node, store, signer):
+            await archiver_caught_up(node)
+        base = str(node.client.make_url("")).rstrip("/")
+        mirror = Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=signer.verifier(),
+                        node_url=base, session=session)
+        assert await mirror.archive_round()
+        for n in range(3):
+            last = await node.message(alice, first["conversation"]["id"], content=f"to be lost {n}")
+        while await mirror.tail_round():
+            pass
+        assert mirror.state is not None and mirror.state.applied_through == last["message"]["sequence"]
+        async with node.db.pool.acquire() as conn, conn.transaction():
+            await conn.execute("set local session_replication_role = replica")  # no triggers: the backup's state
+            await conn.execute("delete from changes where sequence > $1", first["sequence"])
+        with pytest.raises(MirrorFork, match="history went back"):
+            await mirror.tail_round()
+
+
 @dataclass(frozen=True)
 class _Author:
     """A mirrored author, as an authenticated one would be (no credential can authenticate on a mirror)."""

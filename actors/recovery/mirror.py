@@ -400,6 +400,11 @@ class Mirror:
                                             timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT)) as resp:
                     if resp.status == 409:
                         raise MirrorFork("the node no longer serves this lineage (409 lineage_mismatch)")
+                    if resp.status == 400 and await _refused_field(resp) == "after":
+                        # Its head is behind what this mirror applied from it: the node's history went
+                        # back (a database restored from an older backup under the same lineage).
+                        raise MirrorFork(f"the node's head is behind this mirror's {state.applied_through}: "
+                                         "its history went back")
                     if resp.status != 200:
                         raise MirrorError(f"the node answered {resp.status} to changes.jsonl")
                     more = resp.headers.get("X-Corpus-Has-More") == "true"
@@ -512,3 +517,14 @@ class MirrorFollower(Actor):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def _refused_field(resp: aiohttp.ClientResponse) -> str | None:
+    """The ``field`` a node's 400 error envelope names, if it is one (read within a small bound)."""
+    body = await read_capped(resp, 64 * 1024)
+    try:
+        error = orjson.loads(body or b"")["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    field = error.get("field") if isinstance(error, dict) else None
+    return field if isinstance(field, str) else None
