@@ -317,8 +317,11 @@ class EventPublisher(Actor):
         headers: dict[str, HeaderValue] = dict(event_headers(event))
         if trace_id:
             headers[TRACE_HEADER] = trace_id
+        # in_order: a window lost with the connection is published again from the cursor, in
+        # sequence order, rather than event by event as each gets through, so no event first
+        # reaches a queue after a later one (consumers keep the highest sequence they applied).
         await self.bus.publish(self.scope.events_exchange, event.routing_key, event, headers=headers,
-                               message_id=event.message_id, timeout=self.publish_timeout)
+                               message_id=event.message_id, timeout=self.publish_timeout, in_order=True)
         self.published += 1
 
     async def _send_hub_batches(self, after: int, changes: list[list[Any]]) -> None:

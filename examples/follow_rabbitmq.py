@@ -71,8 +71,9 @@ class Follower:
         tmp.replace(self.state)  # atomic: the state is either the old or the new one
 
 
-async def catch_up(follower: Follower, node: str, types: set[str] | None) -> None:
-    """Apply every change after the follower's cursor from the JSONL export, page by page."""
+async def catch_up(follower: Follower, node: str, patterns: list[str], stop_after: int | None) -> bool:
+    """Apply the changes after the follower's cursor that the binding patterns select, from the JSONL
+    export, page by page; True when ``stop_after`` changes were applied before the head."""
     async with aiohttp.ClientSession() as session:
         while True:
             params = {"after": str(follower.last), "limit": "1000"}
@@ -84,14 +85,17 @@ async def catch_up(follower: Follower, node: str, types: set[str] | None) -> Non
                 async for line in resp.content:
                     if line.strip():
                         envelope = json.loads(line)
-                        if types is None or envelope["type"] in types:
+                        # The queue's routing key: what the binding patterns are matched against.
+                        if any(topic_matches(p, f"{envelope['type']}.{envelope['partition']}") for p in patterns):
                             follower.apply(envelope)
+                            if stop_after is not None and follower.applied >= stop_after:
+                                return True
                         else:
                             follower.last = max(follower.last, envelope["sequence"])
                 more = resp.headers["X-Corpus-Has-More"] == "true"
                 follower.last = max(follower.last, int(resp.headers["X-Corpus-Next"]))
             if not more:
-                return
+                return False
 
 
 async def corpus_id_of(node: str) -> str:
@@ -118,11 +122,9 @@ async def follow(args: argparse.Namespace) -> int:
             await queue.bind(exchange, pattern)
         # Bound first, then caught up: whatever is published from now on is in the queue, and
         # whatever was published before is in the export. Duplicates between the two are skipped.
-        types = _types(args.pattern)
-        await catch_up(follower, node, types)
-        print(f"caught up at {follower.last}", flush=True)
-        if args.stop_after is not None and follower.applied >= args.stop_after:
+        if await catch_up(follower, node, args.pattern, args.stop_after):
             return 0
+        print(f"caught up at {follower.last}", flush=True)
         async with queue.iterator() as messages:
             async for message in messages:
                 async with message.process(requeue=True):  # ack after apply; requeue if apply fails
@@ -132,19 +134,20 @@ async def follow(args: argparse.Namespace) -> int:
     return 0
 
 
-def _types(patterns: list[str]) -> set[str] | None:
-    """The event types the patterns select, for filtering the export the same way (None: all)."""
-    if any(p in ("#", "*.*.*") or p.startswith("#") for p in patterns):
-        return None
-    known = {"conversation.created", "message.appended", "relationship.asserted", "relationship.retracted"}
-    out: set[str] = set()
-    for pattern in patterns:
-        head = pattern.split(".")
-        for t in known:
-            words = t.split(".")
-            if len(head) >= 2 and all(h in ("*", "#", w) for h, w in zip(head[:2], words, strict=False)):
-                out.add(t)
-    return out
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """Whether a topic binding ``pattern`` selects ``routing_key``, as RabbitMQ decides it: words
+    split on ``.``; ``*`` is exactly one word, ``#`` zero or more. Used to take from the export
+    exactly what the queue's bindings take (``message.appended.3``: partition 3 only)."""
+    words, keys = pattern.split("."), routing_key.split(".")
+
+    def match(i: int, j: int) -> bool:
+        if i == len(words):
+            return j == len(keys)
+        if words[i] == "#":
+            return any(match(i + 1, k) for k in range(j, len(keys) + 1))
+        return j < len(keys) and words[i] in ("*", keys[j]) and match(i + 1, j + 1)
+
+    return match(0, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

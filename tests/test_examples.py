@@ -71,3 +71,47 @@ async def test_follow_rabbitmq_example_applies_every_message_once_across_restart
         "select c.sequence, m.content from changes c join messages m on m.id = c.message_id "
         "where c.type = 'message.appended' order by c.sequence")]
     assert applied == expected, "\n".join(seen)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.parametrize("stack_backends", ["services"], indirect=True)
+async def test_follow_rabbitmq_example_takes_from_the_export_what_its_bindings_take(
+        stack: Stack, rabbitmq_url: str, tmp_path: Path) -> None:
+    """Bound to one partition (``message.appended.<p>``), the example applies only that partition's
+    messages, from the export as from the queue (the catch-up once kept the type and dropped the
+    partition), and ``--stop-after`` also counts the catch-up (it once ran the whole export first)."""
+    alice = await stack.register()
+    conversations: dict[int, str] = {}
+    while len(conversations) < 2:  # two conversations in different partitions
+        created = await stack.conversation(alice)
+        partition = int(await stack.db.pool.fetchval(
+            "select partition from conversations where id = $1", uuid.UUID(created["conversation"]["id"])))
+        conversations.setdefault(partition, created["conversation"]["id"])
+    (mine, cid), (_, other) = sorted(conversations.items())
+    for i in range(3):
+        await stack.message(alice, cid, content=f"mine-{i}")
+        await stack.message(alice, other, content=f"other-{i}")
+    node = str(stack.client.make_url("")).rstrip("/")
+    args = ("--node", node, "--amqp", rabbitmq_url, "--queue", f"test.example.{uuid.uuid4().hex[:8]}",
+            "--pattern", f"message.appended.{mine}")
+    seen: list[str] = []
+    # Stopped inside the catch-up: two applied, no "caught up".
+    early = await _run_example(*args, "--state", str(tmp_path / "early.state"), "--stop-after", "2")
+    async with asyncio.timeout(60):
+        out, _ = await early.communicate()
+    lines = out.decode().splitlines()
+    assert early.returncode == 0 and len([m for m in map(LINE.match, lines) if m]) == 2, lines
+    assert not any(line.startswith("caught up") for line in lines), lines
+    async with publishing(stack):
+        proc = await _run_example(*args, "--state", str(tmp_path / "follow.state"), "--stop-after", "5")
+        await _lines_until(proc, r"^caught up at \d+", seen, 60)
+        for i in range(2):
+            await stack.message(alice, other, content=f"other-live-{i}")
+            await stack.message(alice, cid, content=f"mine-live-{i}")
+        async with asyncio.timeout(60):
+            out, _ = await proc.communicate()
+        seen += out.decode().splitlines()
+        assert proc.returncode == 0, "\n".join(seen)
+    applied = [m.group(2) for m in map(LINE.match, seen) if m]
+    assert applied == ["mine-0", "mine-1", "mine-2", "mine-live-0", "mine-live-1"], "\n".join(seen)

@@ -376,6 +376,14 @@ async def assert_every_message_sequence(received: Received, database_url: str) -
     assert sorted(set(received.sequences)) == expected
     for d in received.deliveries:
         assert d.routing_key.startswith("message.appended.")
+    # The README's consumer rule: keep the highest sequence applied, drop anything at or below it.
+    # It loses nothing only if no event first arrives after a later one, faults included.
+    highest, applied = 0, []
+    for sequence in received.sequences:
+        if sequence > highest:
+            applied.append(sequence)
+            highest = sequence
+    assert applied == expected, "an event first arrived after a later one"
 
 
 @pytest.mark.fault

@@ -276,8 +276,15 @@ class Bus(abc.ABC):
         correlation_id: str | None = None,
         mandatory: bool = False,
         timeout: float = 10.0,
+        in_order: bool = False,
     ) -> None:
-        """Encode and publish; return once confirmed. ``mandatory`` raises Unroutable if no queue matched."""
+        """Encode and publish; return once confirmed. ``mandatory`` raises Unroutable if no queue matched.
+
+        Across a lost connection the backend publishes again until ``timeout`` (the message may then
+        arrive after messages published after it). ``in_order``: it does not; the failure is raised
+        at once, so that a caller publishing a run of messages concurrently can publish the run
+        again from its first unconfirmed one, and no message ever first arrives after a later one
+        of the run (the frames of one channel reach the broker in the order they were written)."""
 
     @abc.abstractmethod
     async def consume(self, queue: str, handler: Handler, *, prefetch: int = 10, no_ack: bool = False) -> Consumer:

@@ -396,13 +396,15 @@ class RabbitBus(Bus):
         correlation_id: str | None = None,
         mandatory: bool = False,
         timeout: float = 10.0,
+        in_order: bool = False,
     ) -> None:
         _, pub, _ = self._channels()
         type_name, body = encode_message(message)
         properties = _properties(
             content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
             message_type=type_name, message_id=message_id, correlation_id=correlation_id)
-        await self._send(pub, exchange, routing_key, body, properties, mandatory=mandatory, timeout=timeout)
+        await self._send(pub, exchange, routing_key, body, properties, mandatory=mandatory, timeout=timeout,
+                         again=not in_order)
 
     async def publish_raw(
         self,
@@ -427,8 +429,10 @@ class RabbitBus(Bus):
                          timeout=timeout)
 
     async def _send(self, channel: AbstractRobustChannel, exchange: str, routing_key: str, body: bytes,
-                    properties: aiormq.spec.Basic.Properties, *, mandatory: bool, timeout: float) -> None:
-        """Publish and wait for the confirm; across a reconnect, publish again until ``timeout``."""
+                    properties: aiormq.spec.Basic.Properties, *, mandatory: bool, timeout: float,
+                    again: bool = True) -> None:
+        """Publish and wait for the confirm; across a reconnect, publish again until ``timeout``
+        (``again`` False: raise BusUnavailable at the first loss instead, see ``in_order``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         attempt = 0
@@ -451,6 +455,9 @@ class RabbitBus(Bus):
             except _FATAL_CHANNEL as e:
                 raise BusError(f"RabbitMQ refused a publish to {exchange!r}: {e}") from None
             except _TRANSIENT as e:
+                if not again:
+                    raise BusUnavailable(f"publish to {exchange!r} lost with the connection: {self._scrub(repr(e))}") \
+                        from None
                 attempt += 1
                 log.debug("bus.publish_retry", exchange=exchange, attempt=attempt, error=repr(e))
                 continue
@@ -459,6 +466,8 @@ class RabbitBus(Bus):
                 if task is not None and task.cancelling():
                     raise
                 # Not our cancellation: a confirm future cancelled by the closing channel.
+                if not again:
+                    raise BusUnavailable(f"publish to {exchange!r} lost with the channel") from None
                 attempt += 1
                 continue
             if isinstance(result, DeliveredMessage):
