@@ -102,6 +102,7 @@ from infra.db.lock_session import (
     pause,
     serve_while_locked,
 )
+from infra.db.pool import UNAVAILABLE_ERRORS as DB_UNAVAILABLE
 from infra.db.pool import Target
 from infra.metrics import Family, SingleActiveCollector, register_once
 from infra.runtime import Actor
@@ -554,31 +555,43 @@ class Archiver(Actor):
         # A standby must be able to take over: check its key now, not at the take-over.
         try:
             async with asyncio.timeout(KEY_CHECK_TIMEOUT):
-                await self._check_signing_key()
-        except (ArchiveStoreError, TimeoutError) as e:
-            self.log.warning("archiver.key_unchecked", error=str(e) or "the store did not answer in time",
-                             detail="the archive's public key is checked again before the first checkpoint")
+                await self._check_signing_key(self.db.pool)
+        except _KEY_UNCHECKED as e:
+            self.log.warning("archiver.key_unchecked", error=str(e) or "no answer in time",
+                             detail="the signing key is checked again before the first checkpoint")
 
-    async def _check_signing_key(self) -> None:
-        """Raise :class:`SigningKeyMismatch` when the archive holds another key's public key than
-        this archiver's (nothing: no key published yet, or this one)."""
-        key = public_key_key(self._lineage)
+    async def _check_signing_key(self, conn: Any, *, record: bool = False) -> None:
+        """Raise :class:`SigningKeyMismatch` when this corpus signs with another key than this
+        archiver's: the one its database recorded (migration 0014: the first archiver's, or the
+        restored archive's), or the one whose public key the archive already holds. ``record``
+        (when active, before it first signs): record this archiver's key when none is yet."""
         ours = self._signer.verifier().text()
+        recorded = await conn.fetchval("select public_key from archive_signing_key")
+        if recorded is not None and recorded != ours:
+            raise self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}")
+        key = public_key_key(self._lineage)
         try:
-            stored = await self.store.get(key, max_bytes=4096)
+            stored: bytes | None = await self.store.get(key, max_bytes=4096)
         except ObjectNotFound:
-            return
+            stored = None
         except ObjectTooLarge:
             stored = b""  # no public key is that long
-        if stored == (ours + "\n").encode():
-            return
-        theirs = stored.decode("utf-8", "replace").strip()
-        shown = theirs if len(theirs) <= 200 and theirs.isprintable() else "(not a public key)"
-        raise SigningKeyMismatch(
-            f"this archiver's signing key ({ours}) is not the one that signs the archive at "
-            f"{self.store.description} ({key} holds {shown}): every archiver of a corpus must sign with "
-            "the corpus's key; set TOASTMACHINE_ARCHIVE_SIGNING_KEY to it (the contents of the first "
-            "archiver's DATA_DIR/archive-signing-key) on every archiver")
+        if stored is not None and stored != (ours + "\n").encode():
+            raise self._key_mismatch(ours, f"{key} at {self.store.description} holds "
+                                           f"{_shown(stored.decode('utf-8', 'replace').strip())}")
+        if record and recorded is None:
+            await conn.execute("insert into archive_signing_key (public_key) values ($1) on conflict do nothing", ours)
+            recorded = await conn.fetchval("select public_key from archive_signing_key")
+            if recorded != ours:  # (only the lock holder records: no other can have come first)
+                raise self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}")
+
+    @staticmethod
+    def _key_mismatch(ours: str, theirs: str) -> SigningKeyMismatch:
+        return SigningKeyMismatch(
+            f"this archiver's signing key ({ours}) is not the one that signs this corpus's archive ({theirs}): "
+            "every archiver of a corpus signs with the corpus's key. Set TOASTMACHINE_ARCHIVE_SIGNING_KEY to it "
+            "(the contents of the first archiver's DATA_DIR/archive-signing-key), or, after a restore, copy that "
+            "file into this DATA_DIR")
 
     async def _on_wake(self, _delivery: Delivery) -> None:
         # A hint only: returning acks it; the next round reads the history itself.
@@ -656,7 +669,8 @@ class Archiver(Actor):
                 if not self._key_published:
                     # Its own step: a store that fails here (after a good probe) gets it retried
                     # after the back-off, without another probe object each time.
-                    await self._check_signing_key()  # a key published since this process started
+                    # A key published or recorded since this process started; this one recorded if none.
+                    await guarded(session, self._check_signing_key(session.conn, record=True))
                     await self.store.put(public_key_key(self._lineage), (self._signer.verifier().text() + "\n").encode())
                     await self.store.sync([public_key_key(self._lineage)])
                     if self.parent_lineage is None:
@@ -1197,6 +1211,15 @@ class Archiver(Actor):
 
     async def _pause(self, seconds: float, *events: asyncio.Event) -> None:
         await pause(seconds, self._stop_requested, *events)
+
+
+#: What leaves the start-up check of the signing key undecided (it is made again at activation).
+_KEY_UNCHECKED: tuple[type[BaseException], ...] = (ArchiveStoreError, TimeoutError, *DB_UNAVAILABLE)
+
+
+def _shown(key: str) -> str:
+    """A public key as a message may show it (anything else is not one)."""
+    return key if len(key) <= 200 and key.isprintable() else "(not a public key)"
 
 
 class ArchiverCollector(SingleActiveCollector[Archiver]):

@@ -27,14 +27,17 @@ import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from actors.archiver import SigningKeyMismatch
 from actors.recovery import load
 from actors.recovery.load import LoadProgress
 from actors.recovery.restore import RestoreRefused, restore_archive
 from actors.recovery.verify import verify_archive
 from actors.recovery.walk import StoreSource
+from infra.archive_keys import archive_origin
 from infra.archive_store import ArchiveStore
 from infra.db import Database, apply_migrations
 from protocol.archive import Stream, segment_key
+from protocol.checkpoint import generate_signer_key
 from protocol.merkle import leaf_hash, tree_root
 from tests.archive_fixtures import (
     Archived,
@@ -46,6 +49,7 @@ from tests.archive_fixtures import (
 )
 from tests.corpus_fixtures import STACK_ENV, Agent, Stack, running_stack
 from tests.db_fixtures import fresh_database
+from tests.procs import communicate
 from tests.s3_server import S3Server
 
 
@@ -224,7 +228,8 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
     async with fresh_database(server) as source_dsn:
         async with running_stack(source_dsn, amqp_url, STACK_ENV) as stack:
             await _write_history(stack, original)
-            async with archiving(stack, store):
+            signer = generate_signer_key(archive_origin(stack.identity.corpus_id))
+            async with archiving(stack, store, signer):
                 await archiver_caught_up(stack)
             verified = await verify_archive(StoreSource(store), stack.identity.lineage, db=stack.db)
             assert verified.ok, verified.to_json()
@@ -248,9 +253,15 @@ async def test_restore_from_what_the_archiver_wrote(stack_backends: tuple[str | 
                 await db.close()
             async with running_stack(dsn, amqp_url, STACK_ENV) as restored:
                 await _check_restored(restored, original, parent, report)
-                # The restored node archives its own lineage, naming the parent, and that verifies.
+                # The restored node archives its own lineage with the corpus's key, naming the
+                # parent, and that verifies; an archiver with another key (a restore whose
+                # DATA_DIR lacks the key file generates one) is refused before it signs anything.
                 second = ArchiveStore.local(tmp_path / "restored-archive")
-                async with archiving(restored, second):
+                with pytest.raises(SigningKeyMismatch, match="this corpus's database records"):
+                    async with archiving(restored, second):
+                        pass
+                assert [o async for o in second.list()] == []
+                async with archiving(restored, second, signer):
                     await archiver_caught_up(restored)
                 again = await verify_archive(StoreSource(second), restored.identity.lineage, db=restored.db)
                 assert again.ok, again.to_json()
@@ -388,6 +399,18 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
                     f"through sequence {report['restored_through']:,}, "), err
             else:
                 assert b"not empty" in err and archived.key.text().encode() not in err + out
+        # A node on the restored database whose data directory lacks the corpus's key (the README's
+        # `cp data/archive-signing-key restored/` forgotten) would generate a key of its own and sign
+        # the restored history with it: it refuses to start instead (exit 2), saying what to copy.
+        forgot = {k: v for k, v in env.items() if k != "TOASTMACHINE_ARCHIVE_SIGNING_KEY"}
+        forgot.update(TOASTMACHINE_DATA_DIR=str(tmp_path / "forgot"), TOASTMACHINE_PORT="0", TOASTMACHINE_MCP_PORT="0")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "toastmachine.cli", "up", env=forgot,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await communicate(proc, 120)  # (killed if it does not stop on its own)
+        assert proc.returncode == 2, out.decode()[-3000:]
+        assert b"TOASTMACHINE_ARCHIVE_SIGNING_KEY" in out and b"copy that file into this DATA_DIR" in out, out[-3000:]
+        assert archived.key.verifier().text().encode() in out and b"Traceback" not in out
 
 
 def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> None:

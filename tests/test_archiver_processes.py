@@ -338,7 +338,7 @@ async def _refused(dep: Deployment, name: str, env: dict[str, str], *, exited_be
         assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
     output = "\n".join(proc.output)
     assert ("ToastMachine running archiver" not in output) == exited_before_start, output
-    assert "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output and "is not the one that signs the archive" in output
+    assert "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output and "is not the one that signs this corpus" in output
     assert not procs.unexpected_tracebacks(proc.output), output
     assert "PRIVATE+KEY" not in output  # the secret half of neither key
     return output

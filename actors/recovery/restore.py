@@ -247,6 +247,10 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
             "insert into corpus_provenance (parent_lineage, checkpoint_size, checkpoint_root, restored_through, "
             "private_records) values ($1, $2, $3, $4, $5)",
             lineage, checkpoint.size, checkpoint.root, last, private.records_checked)
+        if walk.verifier is not None:
+            # The restored corpus goes on signing with its key: its archivers are held to it
+            # (actors/archiver.py), so one given another key is refused before it signs.
+            await conn.execute("insert into archive_signing_key (public_key) values ($1)", walk.verifier.text())
         counts = {**loader.counts, "agent_records": agent_records, "operation_records": operation_records,
                   "agents": await conn.fetchval("select count(*) from agents"),
                   "operations": await conn.fetchval("select count(*) from operations"),
