@@ -286,6 +286,34 @@ async def test_a_node_whose_history_went_back_stops_the_mirror_as_a_fork(
             await mirror.tail_round()
 
 
+async def test_the_live_tail_goes_on_while_the_archive_cannot_be_read(
+        stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
+    """The node's archive store stops answering (an S3 endpoint nobody listens on): its archive
+    routes answer 503, and the mirror still applies the node's new changes from its live tail
+    before reporting the archive's failure (it stayed at the last archived change before)."""
+    from infra.archive_store import S3Options
+    from tests.procs import free_port
+
+    async with _node_and_mirror(stack_backends, tmp_path) as pair:
+        node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
+        alice = await node.register("alice-storeless")
+        first = await node.conversation(alice, "storeless", content="archived")
+        async with archiving(node, store, signer):
+            await archiver_caught_up(node)
+        node.client.app[ARCHIVE_STORE]["store"] = store
+        base = str(node.client.make_url("")).rstrip("/")
+        source = NodeArchiveSource(session, base)
+        mirror = Mirror(source, await source.lineage(), mirror_db, trusted=signer.verifier(), node_url=base,
+                        session=session)
+        assert await mirror.archive_round()
+        node.client.app[ARCHIVE_STORE]["store"] = ArchiveStore.s3("bucket", "p", S3Options(
+            endpoint=f"http://127.0.0.1:{free_port()}", region="us-east-1", access_key_id="k", secret_access_key="s"))
+        last = await node.message(alice, first["conversation"]["id"], content="while the store is away")
+        with pytest.raises(ArchiveStoreError):
+            await mirror.run(asyncio.Event(), poll_interval=0.1)
+        assert mirror.state is not None and mirror.state.applied_through == last["message"]["sequence"]
+
+
 @dataclass(frozen=True)
 class _Author:
     """A mirrored author, as an authenticated one would be (no credential can authenticate on a mirror)."""

@@ -443,7 +443,14 @@ class Mirror:
     async def run(self, stop: asyncio.Event, *, poll_interval: float = 1.0) -> None:
         """Rounds until ``stop`` is set: the archive first, then the tail, pausing when idle."""
         while not stop.is_set():
-            progressed = await self.archive_round()
+            try:
+                progressed = await self.archive_round()
+            except ArchiveStoreError:
+                # The archive cannot be read now (the node's store away): the live tail still comes
+                # from the node's database, so the copy stays fresh; the failure is reported and the
+                # archive tried again after the caller's back-off.
+                await self.tail_round()
+                raise
             progressed |= await self.tail_round()
             if not progressed:
                 try:
