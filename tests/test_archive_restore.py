@@ -317,6 +317,32 @@ async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
     assert segment_key(archived.lineage, 0, 1, 1, Stream.PRIVATE).startswith(f"{archived.lineage}/private/")
 
 
+async def test_a_store_that_refuses_the_credentials_is_unreadable_not_empty(
+        db: Database, database_server: str, s3_server: S3Server) -> None:
+    """An archive on S3 read with a wrong secret: verify reports its manifest and public key
+    unreadable, with the S3 cause, not absent (they are there); a restore is refused saying the
+    cause in its one line; neither shows the secret."""
+    from toastmachine.seed import seed_corpus
+
+    await seed_corpus(db, messages=6, agents=2, random_seed=9)
+    prefix = f"refused-{uuid.uuid4().hex[:8]}"
+    archived = await archive_database(db, s3_server.store(prefix))
+    wrong = s3_server.store(prefix, secret="definitely-wrong-secret")
+    report = await verify_archive(StoreSource(wrong), archived.lineage)
+    kinds = {f.kind for f in report.findings}
+    assert "unreadable_object" in kinds and not kinds & {"missing_manifest", "missing_public_key"}, report.to_json()
+    assert any("SignatureDoesNotMatch" in f.message for f in report.findings), report.to_json()
+    async with fresh_database(database_server) as dsn:
+        target = await Database.connect(dsn, min_size=1, max_size=2)
+        try:
+            await apply_migrations(target)
+            with pytest.raises(RestoreRefused) as refused:
+                await restore_archive(StoreSource(wrong), archived.lineage, target)
+        finally:
+            await target.close()
+    assert "SignatureDoesNotMatch" in str(refused.value) and "definitely-wrong-secret" not in str(refused.value)
+
+
 async def test_a_store_named_wrongly_on_the_command_line_is_said_so(
         database_url: str, tmp_path: Path, s3_server: S3Server) -> None:
     """A mistyped bucket is no archive there (restore: exit 2; verify: its report of nothing

@@ -59,7 +59,10 @@ class RestoreRefused(ToastMachineError):
 
     def __init__(self, message: str, findings: list[Finding] | None = None) -> None:
         self.findings = findings or []
-        super().__init__(message)
+        # A store that could not be read says so in the one line, with its cause (the variable to
+        # check), not only inside the JSON findings.
+        unread = next((f for f in self.findings if f.kind in ("unreadable_object", "unlistable_store")), None)
+        super().__init__(f"{message}: {unread.message}" if unread is not None else message)
 
 
 @dataclass(slots=True)

@@ -196,10 +196,15 @@ class ArchiveWalk:
     def _find(self, kind: str, message: str, **where: Any) -> None:
         self.summary.findings.append(Finding(kind, message, **where))
 
-    async def _get(self, key: str, max_bytes: int) -> bytes | None:
+    async def _get(self, key: str, max_bytes: int, *, missing: tuple[str, str] | None = None) -> bytes | None:
+        """The object under ``key``, or None: absent (the ``missing`` finding, kind and message, is
+        recorded when given) or unreadable (``unreadable_object``, with the store's cause: never
+        reported as absent, which would send an operator looking for an object that is there)."""
         try:
             return await self.source.get(key, max_bytes=max_bytes)
         except ObjectNotFound:
+            if missing is not None:
+                self._find(missing[0], missing[1], key=key)
             return None
         except ArchiveStoreError as e:
             self._find("unreadable_object", str(e), key=key)
@@ -210,9 +215,8 @@ class ArchiveWalk:
         more can be checked; the finding says why)."""
         verifier = self.verifier = await self._verifier()
         key = manifest_key(self.lineage)
-        data = await self._get(key, MAX_MANIFEST_BYTES)
+        data = await self._get(key, MAX_MANIFEST_BYTES, missing=("missing_manifest", f"{key} is absent: nothing to verify"))
         if data is None:
-            self._find("missing_manifest", f"{key} is absent: nothing to verify", key=key)
             return False
         try:
             manifest, page_keys = await read_manifest(self.source, data)
@@ -255,11 +259,9 @@ class ArchiveWalk:
 
     async def _verifier(self) -> VerifierKey | None:
         key = public_key_key(self.lineage)
-        data = await self._get(key, 4096)
+        data = await self._get(key, 4096, missing=("missing_public_key", f"{key} is absent"))
         published: VerifierKey | None = None
-        if data is None:
-            self._find("missing_public_key", f"{key} is absent", key=key)
-        else:
+        if data is not None:
             try:
                 published = parse_verifier_key(data.decode("utf-8", "replace"))
             except CheckpointError as e:
