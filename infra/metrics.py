@@ -5,9 +5,9 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -50,7 +50,28 @@ class Metrics:
         self.stream_refused = Counter(
             "toastmachine_stream_refused", "SSE streams refused by a concurrency cap, by cap.",
             ["cap"], registry=self.registry)
+        # The archive as the database records it, set by a web node at each scrape: the archiver
+        # process serves no HTTP, so in a Procfile deployment these are where its progress is seen.
+        self.corpus_archive_verified = Gauge(
+            "toastmachine_corpus_archive_verified_through", "Highest change sequence in a verified archive "
+            "segment, as the database records it (NaN: the database did not answer).", registry=self.registry)
+        self.corpus_archive_lag = Gauge(
+            "toastmachine_corpus_archive_lag_events", "Committed changes not yet in a verified archive segment, "
+            "as the database records them (exact up to 10000).", registry=self.registry)
+        self.corpus_archive_store_up = Gauge(
+            "toastmachine_corpus_archive_store_up", "1 while the active archiver's store answered it last, 0 "
+            "while it fails (from archiver_store_state).", registry=self.registry)
         self.registry.register(_LiveCollector(bus, actors))
+
+    def set_corpus_archive(self, detail: Mapping[str, Any]) -> None:
+        """Set the corpus archive gauges from the archive detail a readiness check builds (NaN for
+        what it could not read)."""
+        nan = float("nan")
+        self.corpus_archive_verified.set(float(detail.get("verified_through", nan)))
+        self.corpus_archive_lag.set(float(detail.get("lag_events", nan)))
+        store = detail.get("store")
+        self.corpus_archive_store_up.set(nan if not isinstance(store, Mapping) else
+                                         1.0 if store.get("status") == "ok" else 0.0)
 
     def render(self) -> bytes:
         """The text exposition format."""

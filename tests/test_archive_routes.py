@@ -57,6 +57,12 @@ async def test_archive_status_lists_segments_checkpoint_key_and_boundaries(stack
     assert corpus["links"]["archive"] == "/corpus/archive"
     ready = await (await stack.client.get("/readyz")).json()
     assert ready["checks"]["archive"]["verified_through"] == sequences[3]
+    # And as gauges on the web node's /metrics, from the database (this node runs no archiver: in
+    # a Procfile deployment the archiver process serves no HTTP).
+    scraped = {line.split()[0]: float(line.split()[1]) for line in (await (await stack.client.get("/metrics")).text())
+               .splitlines() if line.startswith("toastmachine_corpus_archive_")}
+    assert scraped == {"toastmachine_corpus_archive_verified_through": sequences[3],
+                       "toastmachine_corpus_archive_lag_events": 1.0, "toastmachine_corpus_archive_store_up": 1.0}
 
 
 async def test_segments_are_served_immutable_with_their_hash_as_etag(stack: Stack, tmp_path: Path) -> None:

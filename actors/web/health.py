@@ -88,6 +88,7 @@ def _public_reason(error: Exception) -> str:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition of this process."""
     node = request.app[NODE]
+    node.metrics.set_corpus_archive(await _archive_detail(node.db))
     return web.Response(body=node.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
