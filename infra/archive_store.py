@@ -46,7 +46,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
 from obstore.store import LocalStore, S3Store
 
-from infra.config import Settings
+from infra.config import Settings, redact_url
 from protocol.archive import MAX_SEGMENT_BYTES
 from protocol.errors import ConfigError, ToastMachineError
 
@@ -157,6 +157,10 @@ def _cause(e: BaseException) -> tuple[str, str | None]:
     if found is not None:
         code = found.group(1)
         return f"{_S3_CAUSES.get(code, 'the server answered')} ({code})", code
+    if "169.254.169.254" in text or "169.254.170.2" in text:
+        # No credentials were given, so the client asked the cloud's instance metadata for some.
+        return ("no credentials (set TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID and "
+                "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"), None
     if "error sending request" in text or "dns error" in text or "Connection refused" in text:
         return f"the server is unreachable (check TOASTMACHINE_ARCHIVE_S3_ENDPOINT) ({type(e).__name__})", None
     if "timed out" in text or "TimedOut" in text:
@@ -192,10 +196,14 @@ class ArchiveStore:
         """A store in ``bucket`` under ``prefix`` on an S3-compatible server."""
         config: dict[str, Any] = {}
         client = dict(_CLIENT_OPTIONS)
+        # Without TOASTMACHINE_ARCHIVE_S3_ENDPOINT, obstore takes AWS_ENDPOINT_URL (or AWS_ENDPOINT)
+        # from the environment, as the README says: name it, and let an http:// one through too.
+        endpoint = options.endpoint or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
         if options.endpoint:
             config["endpoint"] = options.endpoint
+        if endpoint:
             # obstore refuses plain HTTP unless told; an http:// endpoint is an explicit choice.
-            client["allow_http"] = options.endpoint.startswith("http://")
+            client["allow_http"] = endpoint.startswith("http://")
         if options.region:
             config["region"] = options.region
         if options.access_key_id:
@@ -205,7 +213,7 @@ class ArchiveStore:
         store = S3Store(bucket, prefix=prefix or None, config=config, client_options=client,  # type: ignore[arg-type]
                         retry_config=_RETRY)  # type: ignore[arg-type]
         where = f"s3://{bucket}/{prefix}".rstrip("/")
-        return cls(store, f"{where} at {options.endpoint or 'the default endpoint'}")
+        return cls(store, f"{where} at {redact_url(endpoint) if endpoint else 'the default endpoint'}")
 
     @staticmethod
     def local_directory(url: str | None, data_dir: Path) -> Path | None:

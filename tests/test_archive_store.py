@@ -227,6 +227,28 @@ async def test_each_s3_failure_says_its_cause_and_nothing_of_the_answer(s3_serve
             assert leak not in said, (leak, text)
 
 
+async def test_the_aws_variables_work_and_missing_credentials_are_named(
+        s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's fallback: no TOASTMACHINE_ARCHIVE_S3_* settings, the AWS_* variables instead,
+    an http:// AWS_ENDPOINT_URL included (it was refused as plain HTTP, every call a GenericError
+    'at the default endpoint'). With no credentials at all the failure says so (the client had
+    asked the cloud's instance metadata for some: GenericError)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    prefix = f"aws-env-{uuid.uuid4().hex[:8]}"
+    anonymous = ArchiveStore.s3(s3_server.bucket, prefix, S3Options())
+    assert anonymous.description == f"s3://{s3_server.bucket}/{prefix} at {s3_server.endpoint}"
+    with pytest.raises(ArchiveStoreError, match="no credentials"):
+        [info async for info in anonymous.list()]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_access_key)
+    store = ArchiveStore.s3(s3_server.bucket, prefix, S3Options())
+    await store.put("k/v", b"through the AWS variables")
+    assert await store.get("k/v") == b"through the AWS variables"
+
+
 async def test_settings_choose_the_store(tmp_path: Path, s3_server: S3Server) -> None:
     # Unset: DATA_DIR/archive.
     default = ArchiveStore.from_settings(Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path)}))
