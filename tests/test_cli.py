@@ -109,7 +109,7 @@ async def test_unreachable_services_fail_fast_with_clear_messages(tmp_path: Path
     proc = await procs.start("migrate", env=env)
     assert await proc.wait(timeout=60) == 1
     text = "\n".join(proc.output)
-    assert "DatabaseUnavailable" in text and "127.0.0.1:1" in text
+    assert "toastmachine: PostgreSQL at" in text and "is unavailable" in text and "127.0.0.1:1" in text
     assert "topsecret" not in text and "Traceback" not in text
 
 
@@ -119,7 +119,7 @@ async def test_bus_unreachable_at_start(tmp_path: Path, database_url: str) -> No
     proc = await procs.start("run", "writer", env=env)
     assert await proc.wait(timeout=60) == 1
     text = "\n".join(proc.output)
-    assert "BusUnavailable" in text and "127.0.0.1:1" in text
+    assert "toastmachine: cannot connect to RabbitMQ at" in text and "127.0.0.1:1" in text
     assert "hush" not in text and "Traceback" not in text
 
 

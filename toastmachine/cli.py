@@ -474,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except ToastMachineError as e:
         # Services unreachable at start: say so plainly, without a traceback.
-        _fail(settings, f"toastmachine: {type(e).__name__}: {e}")
+        _fail(settings, f"toastmachine: {e}")  # (our messages say what happened: no class names)
         return 1
     except KeyboardInterrupt:
         return 130

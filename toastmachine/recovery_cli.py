@@ -310,7 +310,7 @@ def cmd_mirror(settings: Settings, args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(go())
     except MirrorError as e:
-        print(f"toastmachine: mirror stopped: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"toastmachine: mirror stopped: {e}", file=sys.stderr, flush=True)
         return 1
     _print_json(report)
     if not args.serve:

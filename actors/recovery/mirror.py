@@ -141,7 +141,7 @@ class NodeArchiveSource:
                     raise ArchiveStoreError(f"{self.description}: GET {path} answered {resp.status}")
                 data = await read_capped(resp, max_bytes)
         except (aiohttp.ClientError, TimeoutError) as e:
-            raise ArchiveStoreError(f"{self.description}: GET {path} failed: {type(e).__name__}") from None
+            raise ArchiveStoreError(f"{self.description}: GET {path} failed: {http_failure(e)}") from None
         if data is None:
             raise ArchiveStoreError(f"{self.description}: {path} is larger than {max_bytes} bytes")
         return data
@@ -410,7 +410,7 @@ class Mirror:
                     more = resp.headers.get("X-Corpus-Has-More") == "true"
                     body = await read_capped(resp, TAIL_PAGE_BYTES)
             except (aiohttp.ClientError, TimeoutError) as e:
-                raise MirrorError(f"the node is unreachable: {type(e).__name__}") from None
+                raise MirrorError(f"the node is unreachable: {http_failure(e)}") from None
             if body is None:
                 if self._tail_limit == 1:
                     raise MirrorError(f"the node's changes.jsonl answered more than {TAIL_PAGE_BYTES} bytes "
@@ -513,7 +513,7 @@ class MirrorFollower(Actor):
             except MirrorFork:
                 raise
             except _ROUND_RETRIED as e:
-                log.warning("mirror.round_failed", error=f"{type(e).__name__}: {e}", retry_in=backoff)
+                log.warning("mirror.round_failed", error=str(e), retry_in=backoff)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop_requested.wait(), backoff)
                 backoff = min(backoff * 2, ROUND_BACKOFF_MAX)
@@ -535,3 +535,14 @@ async def _refused_field(resp: aiohttp.ClientResponse) -> str | None:
         return None
     field = error.get("field") if isinstance(error, dict) else None
     return field if isinstance(field, str) else None
+
+
+def http_failure(e: BaseException) -> str:
+    """Why an HTTP request to the source failed, in words (not the client library's class name)."""
+    if isinstance(e, TimeoutError):
+        return f"no answer within {HTTP_TIMEOUT:g} s"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return "cannot connect (nothing listens there, or the host is unknown)"
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    return "the connection failed"
