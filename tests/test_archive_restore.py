@@ -341,6 +341,19 @@ async def test_a_store_that_refuses_the_credentials_is_unreadable_not_empty(
         finally:
             await target.close()
     assert "SignatureDoesNotMatch" in str(refused.value) and "definitely-wrong-secret" not in str(refused.value)
+    # The command, not told the lineage, cannot even list the store: still its JSON report, saying why.
+    env = {**os.environ, "TOASTMACHINE_ARCHIVE_S3_ENDPOINT": s3_server.endpoint,
+           "TOASTMACHINE_ARCHIVE_S3_REGION": "us-east-1", "TOASTMACHINE_ARCHIVE_S3_ACCESS_KEY_ID": s3_server.access_key_id,
+           "TOASTMACHINE_ARCHIVE_S3_SECRET_ACCESS_KEY": "definitely-wrong-secret"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "toastmachine.cli", "archive", "verify", "--from-store",
+        f"s3://{s3_server.bucket}/{prefix}", "--no-database", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await communicate(proc, 120)
+    assert proc.returncode == 1, (out, err)
+    report = orjson.loads(out)
+    assert [f["kind"] for f in report["findings"]] == ["unlistable_store"], report
+    assert "SignatureDoesNotMatch" in report["findings"][0]["message"] and b"definitely-wrong-secret" not in out + err
 
 
 async def test_a_store_named_wrongly_on_the_command_line_is_said_so(

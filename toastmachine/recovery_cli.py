@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from infra.archive_keys import KEY_FILE
-from infra.archive_store import ArchiveStore, S3Options, StoreMissing
+from infra.archive_store import ArchiveStore, ArchiveStoreError, S3Options, StoreMissing
 from infra.config import Settings, check_archive_url
 from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
 from protocol.errors import ConfigError
@@ -186,13 +186,16 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
         report = asyncio.run(go())
     except NoSuchStore as e:
         report = _nothing(e.description, str(e))
+    except ArchiveStoreError as e:  # the lineages could not be listed: still the report, saying why
+        report = _nothing(store.description, str(e), kind="unlistable_store")
     _print_json(report)
     return 0 if report["ok"] else 1
 
 
-def _nothing(source: str, message: str = "no archived lineage in the store") -> dict[str, Any]:
+def _nothing(source: str, message: str = "no archived lineage in the store", *,
+             kind: str = "nothing_verified") -> dict[str, Any]:
     return {"ok": False, "archive": {"source": source}, "database": None,
-            "findings": [{"kind": "nothing_verified", "message": message}]}
+            "findings": [{"kind": kind, "message": message}]}
 
 
 # --- archive restore -------------------------------------------------------------------------------
