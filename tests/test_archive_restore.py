@@ -420,6 +420,12 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
             assert proc.returncode == 2, (out, err)
             assert said in err and str(tmp_path / wrong).encode() in err and b"Traceback" not in err, err
         assert not (tmp_path / "archiv").exists()
+        # A lineage the store does not hold: no archive there either (exit 2), not "does not verify".
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "toastmachine.cli", "archive", "restore", "--from", str(tmp_path / "archive"),
+            "--lineage", str(uuid.uuid4()), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await communicate(proc, 120)
+        assert proc.returncode == 2 and b"no archive of that lineage" in err, (out, err)
         for expected in (0, 1):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "toastmachine.cli", "archive", "restore", "--from", str(tmp_path / "archive"),

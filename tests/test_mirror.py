@@ -309,6 +309,9 @@ async def test_the_live_tail_goes_on_while_the_archive_cannot_be_read(
         node.client.app[ARCHIVE_STORE]["store"] = ArchiveStore.s3("bucket", "p", S3Options(
             endpoint=f"http://127.0.0.1:{free_port()}", region="us-east-1", access_key_id="k", secret_access_key="s"))
         last = await node.message(alice, first["conversation"]["id"], content="while the store is away")
+        resp = await node.client.get("/corpus/archive")
+        assert resp.status == 503 and resp.headers["Retry-After"] == "5"
+        assert (await resp.json())["error"]["code"] == "archive_store_unavailable"
         with pytest.raises(ArchiveStoreError):
             await mirror.run(asyncio.Event(), poll_interval=0.1)
         assert mirror.state is not None and mirror.state.applied_through == last["message"]["sequence"]

@@ -22,6 +22,7 @@ import orjson
 from infra.archive_keys import KEY_FILE
 from infra.archive_store import ArchiveStore, ArchiveStoreError, S3Options, StoreMissing
 from infra.config import Settings, check_archive_url
+from protocol.archive import manifest_key
 from protocol.checkpoint import CheckpointError, VerifierKey, parse_signer_key, parse_verifier_key
 from protocol.errors import ConfigError
 
@@ -249,6 +250,9 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         if lineage is None:
             raise ConfigError(f"--from {args.source}: no archive there ({store.description} holds no "
                               "lineage with a manifest.json)")
+        if args.lineage is not None and await store.head(manifest_key(lineage)) is None:
+            raise ConfigError(f"--lineage {lineage}: no archive of that lineage in {store.description} "
+                              "(no manifest.json under it)")
         async with open_database(settings) as (db, _embedded, _label):
             report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
                                            new_lineage=args.new_lineage or settings.lineage,

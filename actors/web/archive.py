@@ -50,10 +50,15 @@ def archive_store(app: web.Application) -> ArchiveStore | None:
     return store
 
 
+#: Seconds a client is told to wait (Retry-After) while the archive's store does not answer.
+STORE_RETRY_AFTER = 5
+
+
 def _unavailable() -> ServiceUnavailable:
-    return ServiceUnavailable("The archive's object store is unavailable.",
-                              how_to_proceed="Retry shortly; the change history (GET /corpus/changes.jsonl) "
-                                             "is served from the database meanwhile.")
+    return ServiceUnavailable("The archive's object store is unavailable.", code="archive_store_unavailable",
+                              headers={"Retry-After": str(STORE_RETRY_AFTER)},
+                              how_to_proceed="Retry after the seconds in Retry-After; the change history "
+                                             "(GET /corpus/changes.jsonl) is served from the database meanwhile.")
 
 
 async def archive_info(request: web.Request) -> web.Response:
