@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from infra.client_address import TrustedProxies
 from protocol.checkpoint import CheckpointError, parse_signer_key
@@ -233,20 +233,28 @@ _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOA
 
 
 #: Query parameters of a connection URL that hold a secret (libpq takes ``password`` and
-#: ``sslpassword`` there as well as in the user-info part).
-_SECRET_PARAMETERS = re.compile(r"(?P<name>(?:^|[?&;])(?:ssl)?password=)[^&;#\s]*", re.IGNORECASE)
+#: ``sslpassword`` there as well as in the user-info part), compared with the key decoded.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
 
 def redact_url(url: str) -> str:
     """Replace the password of a URL with ***: in its user-info part and in a ``password`` or
-    ``sslpassword`` query parameter."""
+    ``sslpassword`` query parameter (its name percent-encoded too; its value up to the next ``&``,
+    as the drivers split it). The rest is left as written."""
     parts = urlsplit(url)
+    out = url
     if parts.password is not None:
         netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        parts = parts._replace(netloc=netloc)
+        out = out.replace(parts.netloc, netloc, 1)
     if parts.query:
-        parts = parts._replace(query=_SECRET_PARAMETERS.sub(r"\g<name>***", parts.query))
-    return parts.geturl()
+        pieces = []
+        for piece in parts.query.split("&"):
+            name, equals, _value = piece.partition("=")
+            pieces.append(f"{name}=***" if equals and unquote(name).lower() in _SECRET_PARAMETERS else piece)
+        query = "&".join(pieces)
+        if query != parts.query:
+            out = out.replace("?" + parts.query, "?" + query, 1)
+    return out
 
 
 def _url(*schemes: str) -> Callable[[str, str], str]:

@@ -100,7 +100,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
 #: A URL's password (``scheme://user:password@``), wherever a line holds one.
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
 #: A URL's ``password=`` or ``sslpassword=`` query parameter (libpq reads both), wherever a line holds one.
-_PASSWORD_PARAMETER = re.compile(r"(?P<name>[?&;](?:ssl)?password=)[^&;#\s'\"]*", re.IGNORECASE)
+_PASSWORD_PARAMETER = re.compile(r"(?P<name>[?&](?:ssl)?pass(?:word|%77ord)=)[^&#\s'\"]*", re.IGNORECASE)
 #: Libraries whose failures while reconnecting are expected during an outage: our own lines say
 #: what happened (bus.connection_lost, writer.database_unavailable...), so theirs are one line each.
 _RECONNECTING_LIBRARIES = ("asyncpg", "aiormq", "aio_pika", "pamqp")

@@ -78,6 +78,10 @@ def test_redaction_hides_passwords() -> None:
     assert redact_url("postgresql://tm@db/tm?sslmode=require&Password=s3cret&sslpassword=k3y") == \
         "postgresql://tm@db/tm?sslmode=require&Password=***&sslpassword=***"
     assert redact_url("postgresql://db/tm?application_name=password") == "postgresql://db/tm?application_name=password"
+    # The value up to the next & (as the drivers split it), a percent-encoded name, the rest as written.
+    assert redact_url("postgresql://tm@db/tm?password=abc;def") == "postgresql://tm@db/tm?password=***"
+    assert redact_url("postgresql://tm@db/tm?pass%77ord=x&a=1") == "postgresql://tm@db/tm?pass%77ord=***&a=1"
+    assert redact_url("postgresql:///tm?host=/tmp") == "postgresql:///tm?host=/tmp"
     with pytest.raises(ConfigError, match="must not carry a user name or password"):
         Settings.from_env({"TOASTMACHINE_ARCHIVE_S3_ENDPOINT": "http://key:s3cret@127.0.0.1:8333"})
     s = Settings.from_env({"TOASTMACHINE_DATABASE_URL": "postgresql://tm:hunter2@db/tm"})

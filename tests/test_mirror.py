@@ -256,6 +256,15 @@ async def test_segments_larger_than_one_read_come_whole_through_the_nodes_routes
             await source.get(key, max_bytes=largest["size"] - 1)
 
 
+async def _one_conversation_archived(pair: _Pair, name: str) -> tuple[Any, dict[str, Any]]:
+    """An agent ``name`` and a conversation of its, archived (both streams published)."""
+    alice = await pair.node.register(name)
+    first = await pair.node.conversation(alice, name, content="archived")
+    async with archiving(pair.node, pair.store, pair.signer):
+        await archiver_caught_up(pair.node)
+    return alice, first
+
+
 async def test_a_node_whose_history_went_back_stops_the_mirror_as_a_fork(
         stack_backends: tuple[str | None, str], tmp_path: Path) -> None:
     """The node's last changes vanish under the same lineage (its database restored from an older
@@ -266,10 +275,7 @@ async def test_a_node_whose_history_went_back_stops_the_mirror_as_a_fork(
 
     async with _node_and_mirror(stack_backends, tmp_path) as pair:
         node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
-        alice = await node.register("alice-rewound")
-        first = await node.conversation(alice, "rewound", content="kept")
-        async with archiving(node, store, signer):
-            await archiver_caught_up(node)
+        alice, first = await _one_conversation_archived(pair, "alice-rewound")
         base = str(node.client.make_url("")).rstrip("/")
         mirror = Mirror(StoreSource(store), node.identity.lineage, mirror_db, trusted=signer.verifier(),
                         node_url=base, session=session)
@@ -296,10 +302,7 @@ async def test_the_live_tail_goes_on_while_the_archive_cannot_be_read(
 
     async with _node_and_mirror(stack_backends, tmp_path) as pair:
         node, store, signer, mirror_db, session = pair.node, pair.store, pair.signer, pair.mirror_db, pair.session
-        alice = await node.register("alice-storeless")
-        first = await node.conversation(alice, "storeless", content="archived")
-        async with archiving(node, store, signer):
-            await archiver_caught_up(node)
+        alice, first = await _one_conversation_archived(pair, "alice-storeless")
         node.client.app[ARCHIVE_STORE]["store"] = store
         base = str(node.client.make_url("")).rstrip("/")
         source = NodeArchiveSource(session, base)

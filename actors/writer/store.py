@@ -619,7 +619,7 @@ class CorpusStore:
 #: (the trigger's transition table).
 _KEYED_PLANS = "set local enable_hashjoin = off; set local enable_mergejoin = off"
 _LOCK_BUDGETS = ("insert into write_budget as b (agent_id) select a.agent_id from agents a "
-                 "where a.agent_id = any($1::uuid[]) "
+                 "where a.agent_id = any($1::uuid[]) order by a.agent_id "
                  "on conflict (agent_id) do update set tat = b.tat "
                  "returning agent_id, extract(epoch from tat)::float8 as tat, "
                  "extract(epoch from clock_timestamp())::float8 as now")
