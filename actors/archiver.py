@@ -176,6 +176,8 @@ MEASURE_INTERVAL = 1.0
 EXACT_LAG = 10_000
 #: Extension line of a private stream checkpoint (never a valid public one).
 PRIVATE_EXTENSION = "private"
+#: Seconds between a standby's checks of the signing key the database records (until one is).
+KEY_WATCH_INTERVAL = 2.0
 #: Seconds the start-up check of the archive's public key waits for the store (a store that does
 #: not answer in time is checked again at activation, before anything is signed).
 KEY_CHECK_TIMEOUT = 10.0
@@ -591,7 +593,7 @@ class Archiver(Actor):
             f"this archiver's signing key ({ours}) is not the one that signs this corpus's archive ({theirs}): "
             "every archiver of a corpus signs with the corpus's key. Set TOASTMACHINE_ARCHIVE_SIGNING_KEY to it "
             "(the contents of the first archiver's DATA_DIR/archive-signing-key), or, after a restore, copy that "
-            "file into this DATA_DIR")
+            "file into this DATA_DIR (if it is lost, restore again into an empty database with --new-signing-key)")
 
     async def _on_wake(self, _delivery: Delivery) -> None:
         # A hint only: returning acks it; the next round reads the history itself.
@@ -620,10 +622,36 @@ class Archiver(Actor):
                            "archiving nothing until the operator fixes it")
             await self._stop_requested.wait()
             return
-        await serve_while_locked(
-            "archiver", self.log, self._stop_requested,
-            lambda: open_lock_session(self.db, self.dsn, ARCHIVER_LOCK, application_name(self.node_id)),
-            self._archive_while_active, self._inactive, self.standby_interval)
+        watch = asyncio.ensure_future(self._watch_key_while_standby())
+        try:
+            await serve_while_locked(
+                "archiver", self.log, self._stop_requested,
+                lambda: open_lock_session(self.db, self.dsn, ARCHIVER_LOCK, application_name(self.node_id)),
+                self._archive_while_active, self._inactive, self.standby_interval)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    async def _watch_key_while_standby(self) -> None:
+        """While this instance stands by, compare its key with the one the database records, every
+        :data:`KEY_WATCH_INTERVAL` seconds until one is recorded: a standby started with a key of
+        its own beside the first archiver of a fresh corpus (nothing recorded yet when it started)
+        stops as soon as that one records its key, not when it has to take over."""
+        ours = self._signer.verifier().text()
+        while not self._stop_requested.is_set():
+            await pause(KEY_WATCH_INTERVAL, self._stop_requested)
+            if self.active or self._stop_requested.is_set():
+                continue
+            try:
+                recorded = await self.db.pool.fetchval("select public_key from archive_signing_key")
+            except DB_UNAVAILABLE:
+                continue
+            if recorded == ours:
+                return
+            if recorded is not None:
+                self.fail(self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}"))
+                return
 
     async def _sweep_staging(self) -> None:
         """Remove the staging files a crash left behind, once per process, beside the rounds (the

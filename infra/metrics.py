@@ -57,7 +57,8 @@ class Metrics:
             "segment, as the database records it (NaN: the database did not answer).", registry=self.registry)
         self.corpus_archive_lag = Gauge(
             "toastmachine_corpus_archive_lag_events", "Committed changes not yet in a verified archive segment, "
-            "as the database records them (exact up to 10000).", registry=self.registry)
+            "as the database records them (counted exactly up to a bound, then the sequence difference).",
+            registry=self.registry)
         self.corpus_archive_store_up = Gauge(
             "toastmachine_corpus_archive_store_up", "1 while the active archiver's store answered it last, 0 "
             "while it fails (from archiver_store_state).", registry=self.registry)

@@ -317,6 +317,44 @@ async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
     assert segment_key(archived.lineage, 0, 1, 1, Stream.PRIVATE).startswith(f"{archived.lineage}/private/")
 
 
+async def test_a_restore_whose_signing_key_is_lost_records_none_and_signs_anew(
+        db: Database, database_server: str, tmp_path: Path) -> None:
+    """By default a restore records the archive's key, and an archiver with another one is
+    refused; with ``keep_signing_key=False`` (``--new-signing-key``: the key is lost) it records none,
+    and the first archiver of the restored corpus records its own."""
+    from actors.archiver import Archiver
+    from infra.bus import make_bus
+    from infra.db import ensure_identity
+    from toastmachine.seed import seed_corpus
+
+    await seed_corpus(db, messages=6, agents=2, random_seed=11)
+    archived = await archive_database(db, ArchiveStore.local(tmp_path / "archive"))
+    for keep in (True, False):
+        async with fresh_database(database_server) as dsn:
+            target = await Database.connect(dsn, min_size=1, max_size=4)
+            bus = make_bus(None)
+            await bus.connect()
+            try:
+                await apply_migrations(target)
+                await restore_archive(StoreSource(ArchiveStore.local(tmp_path / "archive")), archived.lineage, target,
+                                      keep_signing_key=keep)
+                recorded = await target.pool.fetchval("select public_key from archive_signing_key")
+                assert recorded == (archived.key.verifier().text() if keep else None)
+                new_key = generate_signer_key(archive_origin(archived.corpus_id))
+                archiver = Archiver(bus, target, identity=await ensure_identity(target, None, None),
+                                    store=ArchiveStore.local(tmp_path / f"restored-{keep}"), signer=new_key,
+                                    node_id="t-new-key")
+                if keep:
+                    with pytest.raises(SigningKeyMismatch, match="--new-signing-key"):
+                        await archiver.start()
+                else:
+                    await archiver.start()
+                    await archiver.stop(grace=5)
+            finally:
+                await bus.close()
+                await target.close()
+
+
 async def test_a_store_that_refuses_the_credentials_is_unreadable_not_empty(
         db: Database, database_server: str, s3_server: S3Server) -> None:
     """An archive on S3 read with a wrong secret: verify reports its manifest and public key

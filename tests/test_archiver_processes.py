@@ -417,3 +417,35 @@ async def test_a_key_published_while_a_standby_waited_stops_it_before_it_signs(
         assert [o.key async for o in ArchiveStore.local(archive).list(f"{lineage}/checkpoints")] == []
     finally:
         await lock.close()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+async def test_a_standby_with_its_own_key_stops_when_the_first_archiver_records_the_corpus_key(
+        tmp_path: Path, rabbitmq_url: str, database_url: str) -> None:
+    """Two archivers of a fresh corpus deployed together on separate data directories: the second
+    started before any key was recorded, so its start check passed; while it stands by it watches
+    the database, and stops (exit 2) as soon as the active one records the corpus's key, instead of
+    failing only when it has to take over."""
+    from actors.archiver import ARCHIVER_LOCK
+    from infra.archive_keys import archive_origin
+    from protocol.checkpoint import generate_signer_key
+
+    corpus_id, _ = await _seeded(database_url, rabbitmq_url, 1)
+    lock = await asyncpg.connect(database_url)  # the lock held, as by an archiver about to record its key
+    try:
+        await lock.execute("select pg_advisory_lock($1)", ARCHIVER_LOCK)
+        async with deployment(tmp_path, rabbitmq_url, database_url) as dep:
+            env = _machine(tmp_path, "b", tmp_path / "archive", TOASTMACHINE_NODE_ID="arch-b")
+            proc = await procs.start(env={**dep.env, **env}, program=("/bin/sh", "-c", dep.commands["archiver"]))
+            async with _reaped(proc):
+                await proc.wait_for_line(r"archiver\.standby", timeout=WAIT)
+                first = generate_signer_key(archive_origin(corpus_id))
+                await lock.execute("insert into archive_signing_key (public_key) values ($1)", first.verifier().text())
+                assert await proc.wait(timeout=WAIT) == 2, "\n".join(proc.output)
+            output = "\n".join(proc.output)
+            assert first.verifier().text() in output and "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output
+            assert "archiver.active" not in output and not procs.unexpected_tracebacks(proc.output), output
+    finally:
+        await lock.close()

@@ -256,7 +256,8 @@ def cmd_archive_restore(settings: Settings, args: argparse.Namespace) -> int:
         async with open_database(settings) as (db, _embedded, _label):
             report = await restore_archive(StoreSource(store), lineage, db, trusted=trusted,
                                            new_lineage=args.new_lineage or settings.lineage,
-                                           republish=args.republish, progress=progress_printer("restore"))
+                                           republish=args.republish, keep_signing_key=not args.new_signing_key,
+                                           progress=progress_printer("restore"))
         if settings.corpus_id is not None and settings.corpus_id != report.corpus_id:
             # Written already (the archive decides the corpus); say so before a node refuses to start.
             print(f"toastmachine: note: TOASTMACHINE_CORPUS_ID={settings.corpus_id} but the restored corpus is "
@@ -400,6 +401,10 @@ def add_commands(sub: Any) -> None:
     restore.add_argument("--republish", action="store_true",
                          help="publish the restored history to RabbitMQ again (default: the publisher starts "
                               "after it)")
+    restore.add_argument("--new-signing-key", action="store_true",
+                         help="the archive's signing key is lost: the restored corpus signs its new lineage with "
+                              "another one (mirrors must pin its public key anew); default: the archive's key, "
+                              "which its archivers must have")
     restore.set_defaults(func=cmd_archive_restore)
     mirror = sub.add_parser("mirror", help=cmd_mirror.__doc__)
     mirror.add_argument("--from", dest="source", metavar="URL", required=True, type=_location,

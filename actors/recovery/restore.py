@@ -182,7 +182,7 @@ async def _load_history(walk: ArchiveWalk, loader: HistoryLoader,
 
 async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target, *,
                           trusted: VerifierKey | None = None, new_lineage: uuid.UUID | None = None,
-                          republish: bool = False,
+                          republish: bool = False, keep_signing_key: bool = True,
                           progress: Callable[[LoadProgress], None] | None = None) -> RestoreReport:
     """Restore the archive of ``lineage`` from ``source`` into the empty database ``db``.
 
@@ -190,7 +190,9 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
     lineage to use (default a random one; never the parent's); ``republish``: leave the publisher's
     cursor at 0 so the whole restored history is published again; ``progress``: told how far the
     history load is after each run it writes (see :class:`LoadProgress`). RestoreRefused when
-    anything is wrong; nothing is written then.
+    anything is wrong; nothing is written then. ``keep_signing_key``: record the restored archive's
+    key as the one the corpus signs with (its archivers are held to it); False when that key is lost:
+    the first archiver of the restored corpus records its own.
     """
     new_lineage = new_lineage or uuid.uuid4()
     if new_lineage == lineage:
@@ -250,7 +252,7 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
             "insert into corpus_provenance (parent_lineage, checkpoint_size, checkpoint_root, restored_through, "
             "private_records) values ($1, $2, $3, $4, $5)",
             lineage, checkpoint.size, checkpoint.root, last, private.records_checked)
-        if walk.verifier is not None:
+        if keep_signing_key and walk.verifier is not None:
             # The restored corpus goes on signing with its key: its archivers are held to it
             # (actors/archiver.py), so one given another key is refused before it signs.
             await conn.execute("insert into archive_signing_key (public_key) values ($1)", walk.verifier.text())
