@@ -76,12 +76,14 @@ import functools
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from actors.archive_ahead import Limits, ReadAhead, Rows, Start
+from infra.archive_keys import discard_generated
 from infra.archive_store import (
     ArchiveStore,
     ArchiveStoreError,
@@ -460,6 +462,7 @@ class Archiver(Actor):
         parent_lineage: the lineage a restore started from, listed in the manifest (None: original).
         batch_segments: segments handled together at most (see :data:`BATCH_SEGMENTS`).
         manifest_page: segments per manifest page (:data:`protocol.manifest.PAGE_SEGMENTS`).
+        generated_key_file: the key file this process generated for ``signer``, if it did.
     """
 
     name = "archiver"
@@ -468,7 +471,8 @@ class Archiver(Actor):
                  signer: SignerKey | None, node_id: str, dsn: str | None = None, policy: SealPolicy | None = None,
                  sweep_interval: float = 5.0, standby_interval: float = DEFAULT_STANDBY_INTERVAL,
                  parent_lineage: uuid.UUID | None = None, batch_segments: int = BATCH_SEGMENTS,
-                 store_backoff: tuple[float, float] = STORE_BACKOFF, manifest_page: int = PAGE_SEGMENTS) -> None:
+                 store_backoff: tuple[float, float] = STORE_BACKOFF, manifest_page: int = PAGE_SEGMENTS,
+                 generated_key_file: Path | None = None) -> None:
         super().__init__()
         self.bus = bus
         self.db = db
@@ -486,6 +490,9 @@ class Archiver(Actor):
         self.store_backoff = store_backoff
         #: Segments per manifest page (PAGE_SEGMENTS; smaller in tests, to have pages at all).
         self.manifest_page = manifest_page
+        #: The key file this process generated for ``signer`` (None: configured, or found): removed
+        #: again when the key is refused as not the corpus's.
+        self.generated_key_file = generated_key_file
         #: The manifest pages written or found this activation (built up from its first publish).
         self._pages: list[ManifestPage] = []
         self.lineage = uuid.UUID(str(identity.lineage)) if identity is not None else None
@@ -587,8 +594,11 @@ class Archiver(Actor):
             if recorded != ours:  # (only the lock holder records: no other can have come first)
                 raise self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}")
 
-    @staticmethod
-    def _key_mismatch(ours: str, theirs: str) -> SigningKeyMismatch:
+    def _key_mismatch(self, ours: str, theirs: str) -> SigningKeyMismatch:
+        """The refusal of this archiver's key; a key file this process generated for it goes (it is
+        no key of this corpus: left there, it could be backed up as the corpus's)."""
+        if self.generated_key_file is not None and self.signer is not None:
+            discard_generated(self.generated_key_file, self.signer)
         return SigningKeyMismatch(
             f"this archiver's signing key ({ours}) is not the one that signs this corpus's archive ({theirs}): "
             "every archiver of a corpus signs with the corpus's key. Set TOASTMACHINE_ARCHIVE_SIGNING_KEY to it "

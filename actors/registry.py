@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from actors import archiver
 from actors.publisher import EventPublisher, export_metrics
 from actors.writer import CorpusWriter
-from infra.archive_keys import archive_origin, load_signing_key
+from infra.archive_keys import archive_origin, load_signing_key_noting
 from infra.archive_store import ArchiveStore
 from infra.ratelimit import write_budget
 from infra.runtime import Actor
@@ -36,14 +36,15 @@ def _archiver(node: Node) -> Actor:
                             lambda: node.supervisor.actors.get("archiver") if node.supervisor is not None else None)
     settings = node.settings
     dsn = settings.database_url or (node.embedded.dsn if node.embedded is not None else None)
-    signer = load_signing_key(settings, archive_origin(node.identity.corpus_id)) if node.identity else None
+    signer, generated = (load_signing_key_noting(settings, archive_origin(node.identity.corpus_id))
+                         if node.identity else (None, None))
     policy = archiver.SealPolicy(settings.archive_segment_events, settings.archive_segment_bytes,
                                  settings.archive_segment_seconds)
     return archiver.Archiver(node.bus, node.db, identity=node.identity, store=ArchiveStore.from_settings(settings),
                              signer=signer, node_id=settings.node_id, dsn=dsn, policy=policy,
                              sweep_interval=settings.archive_sweep_seconds,
                              batch_segments=settings.archive_batch_segments,
-                             manifest_page=settings.archive_manifest_page)
+                             manifest_page=settings.archive_manifest_page, generated_key_file=generated)
 
 
 #: Back-end actors in start order. The web front is not here: it is its own process type (`web`).

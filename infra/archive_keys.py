@@ -32,19 +32,35 @@ def archive_origin(corpus_id: uuid.UUID) -> str:
 
 def load_signing_key(settings: Settings, name: str) -> SignerKey:
     """The signer key for origin ``name``: from configuration, else the key file (created if absent)."""
+    return load_signing_key_noting(settings, name)[0]
+
+
+def load_signing_key_noting(settings: Settings, name: str) -> tuple[SignerKey, Path | None]:
+    """:func:`load_signing_key`, and the key file when this call created it (None otherwise): a
+    process refused for that key (not the corpus's) removes it again, so that no unused key is
+    left for an operator to back up as the corpus's (:func:`discard_generated`)."""
     if settings.archive_signing_key is not None:
         key = parse_signer_key(settings.archive_signing_key)  # already checked by Settings
         if key.name != name:
             raise ConfigError(f"TOASTMACHINE_ARCHIVE_SIGNING_KEY is named {key.name!r}, this archive's origin "
                               f"is {name!r}")
-        return key
+        return key, None
     return _from_file(settings.data_dir / KEY_FILE, name)
 
 
-def _from_file(path: Path, name: str) -> SignerKey:
+def discard_generated(path: Path, key: SignerKey) -> None:
+    """Remove the key file ``path`` this process created for ``key``, if it still holds that key."""
+    try:
+        if path.read_text().strip() == key.text():
+            path.unlink()
+    except OSError:
+        pass  # gone already, or not ours to remove: nothing to undo
+
+
+def _from_file(path: Path, name: str) -> tuple[SignerKey, Path | None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        return _read(path, name)
+        return _read(path, name), None
     candidate = generate_signer_key(name)
     # Write a complete private file (0600: the seed is for its owner only), then hard-link it into
     # place: link() fails if the name exists, so the key file appears whole, once, and a process
@@ -59,8 +75,8 @@ def _from_file(path: Path, name: str) -> SignerKey:
         try:
             os.link(temp, path)
         except FileExistsError:
-            return _read(path, name)
-        return candidate
+            return _read(path, name), None
+        return candidate, path
     finally:
         temp.unlink(missing_ok=True)
 

@@ -33,6 +33,24 @@ def test_generated_once_private_and_reused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
+def test_a_generated_key_file_is_noted_and_can_be_discarded(tmp_path: Path) -> None:
+    """The call that creates the key file says so (a refused archiver removes what it made); a
+    later call, or a configured key, notes none; a file holding another key is never removed."""
+    from infra.archive_keys import discard_generated, load_signing_key_noting
+
+    settings = Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path)})
+    key, made = load_signing_key_noting(settings, ORIGIN)
+    assert made == tmp_path / KEY_FILE
+    assert load_signing_key_noting(settings, ORIGIN) == (key, None)
+    discard_generated(made, generate_signer_key(ORIGIN))  # not its key: kept
+    assert made.exists()
+    discard_generated(made, key)
+    assert not made.exists()
+    configured = Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path),
+                                    "TOASTMACHINE_ARCHIVE_SIGNING_KEY": key.text()})
+    assert load_signing_key_noting(configured, ORIGIN) == (key, None) and not made.exists()
+
+
 def test_a_key_of_another_corpus_is_refused(tmp_path: Path) -> None:
     settings = Settings.from_env({"TOASTMACHINE_DATA_DIR": str(tmp_path)})
     load_signing_key(settings, ORIGIN)

@@ -494,6 +494,7 @@ async def test_the_restore_command_as_pasted(database_url: str, tmp_path: Path) 
         assert proc.returncode == 2, out.decode()[-3000:]
         assert b"TOASTMACHINE_ARCHIVE_SIGNING_KEY" in out and b"copy that file into this DATA_DIR" in out, out[-3000:]
         assert archived.key.verifier().text().encode() in out and b"Traceback" not in out
+        assert not (tmp_path / "forgot" / "archive-signing-key").exists()  # the key it made is gone again
 
 
 def test_the_loader_refuses_events_it_cannot_write_with_the_sequence_named() -> None:

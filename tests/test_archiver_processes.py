@@ -362,6 +362,8 @@ async def test_an_archiver_with_a_key_of_its_own_is_refused_at_start_and_the_cor
         await dep.start("archiver", "arch-a", **_machine(tmp_path, "a", archive))
         await all_published(database_url, 2)
         await _refused(dep, "arch-b", _machine(tmp_path, "b", archive), exited_before_start=True)
+        # The key it generated on the way is gone again: no unused key is left to be backed up.
+        assert (tmp_path / "b").is_dir() and not (tmp_path / "b" / "archive-signing-key").exists()
 
         corpus_key = (tmp_path / "a" / "archive-signing-key").read_text().strip()
         await dep.start("archiver", "arch-c",
@@ -447,5 +449,6 @@ async def test_a_standby_with_its_own_key_stops_when_the_first_archiver_records_
             output = "\n".join(proc.output)
             assert first.verifier().text() in output and "TOASTMACHINE_ARCHIVE_SIGNING_KEY" in output
             assert "archiver.active" not in output and not procs.unexpected_tracebacks(proc.output), output
+            assert not (tmp_path / "b" / "archive-signing-key").exists()  # the key it had made is gone
     finally:
         await lock.close()
