@@ -575,9 +575,9 @@ class Archiver(Actor):
         restored archive's), or the one whose public key the archive already holds. ``record``
         (when active, before it first signs): record this archiver's key when none is yet."""
         ours = self._signer.verifier().text()
-        recorded = await conn.fetchval("select public_key from archive_signing_key")
+        recorded = await conn.fetchval(_RECORDED_KEY)
         if recorded is not None and recorded != ours:
-            raise self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}")
+            raise self._recorded_mismatch(ours, recorded)
         key = public_key_key(self._lineage)
         try:
             stored: bytes | None = await self.store.get(key, max_bytes=4096)
@@ -590,9 +590,13 @@ class Archiver(Actor):
                                            f"{_shown(stored.decode('utf-8', 'replace').strip())}")
         if record and recorded is None:
             await conn.execute("insert into archive_signing_key (public_key) values ($1) on conflict do nothing", ours)
-            recorded = await conn.fetchval("select public_key from archive_signing_key")
+            recorded = await conn.fetchval(_RECORDED_KEY)
             if recorded != ours:  # (only the lock holder records: no other can have come first)
-                raise self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}")
+                raise self._recorded_mismatch(ours, recorded)
+
+    def _recorded_mismatch(self, ours: str, recorded: str | None) -> SigningKeyMismatch:
+        """The refusal of this archiver's key for the one the database records (``recorded``)."""
+        return self._key_mismatch(ours, f"this corpus's database records {_shown(recorded or '')}")
 
     def _key_mismatch(self, ours: str, theirs: str) -> SigningKeyMismatch:
         """The refusal of this archiver's key; a key file this process generated for it goes (it is
@@ -654,13 +658,13 @@ class Archiver(Actor):
             if self.active or self._stop_requested.is_set():
                 continue
             try:
-                recorded = await self.db.pool.fetchval("select public_key from archive_signing_key")
+                recorded = await self.db.pool.fetchval(_RECORDED_KEY)
             except DB_UNAVAILABLE:
                 continue
             if recorded == ours:
                 return
             if recorded is not None:
-                self.fail(self._key_mismatch(ours, f"this corpus's database records {_shown(recorded)}"))
+                self.fail(self._recorded_mismatch(ours, recorded))
                 return
 
     async def _sweep_staging(self) -> None:
@@ -1251,6 +1255,8 @@ class Archiver(Actor):
         await pause(seconds, self._stop_requested, *events)
 
 
+#: The public key this corpus's archive is signed with, as its database records it (migration 0014).
+_RECORDED_KEY = "select public_key from archive_signing_key"
 #: What leaves the start-up check of the signing key undecided (it is made again at activation).
 _KEY_UNCHECKED: tuple[type[BaseException], ...] = (ArchiveStoreError, TimeoutError, *DB_UNAVAILABLE)
 

@@ -227,14 +227,10 @@ class McpEndpoint:
                       challenged: bool = True) -> None:
         """Answer ``status`` with the JSON error and its ``WWW-Authenticate`` challenge; ``challenged``
         False (no credentials were sent): the challenge names no error."""
-        body = orjson.dumps({"error": error, "error_description": description})
         header = challenge(self.resource_metadata, error=error if challenged else None, description=description,
                            scope=scope)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", header.encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, status, {"error": error, "error_description": description},
+                         (b"www-authenticate", header.encode()))
 
 
 def _read_calls(body: bytes) -> tuple[list[dict[str, Any]], ApiError | None]:
@@ -265,22 +261,25 @@ def _read_calls(body: bytes) -> tuple[list[dict[str, Any]], ApiError | None]:
 async def _too_many_sessions(send: Send, per_agent: int) -> None:
     """Answer 429 (JSON-RPC error body, as the SDK answers its own session refusals, and
     ``Retry-After``): the agent holds its share of this node's sessions."""
-    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": {
+    await _send_json(send, 429, {"jsonrpc": "2.0", "id": None, "error": {
         "code": -32000, "message": f"This agent already has {per_agent} open sessions on this MCP node: end one "
-                                   "(DELETE with its Mcp-Session-Id) or wait for an idle one to expire, then retry."}})
-    await send({"type": "http.response.start", "status": 429,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(SESSION_RETRY_AFTER).encode())]})
-    await send({"type": "http.response.body", "body": body})
+                                   "(DELETE with its Mcp-Session-Id) or wait for an idle one to expire, then retry."}},
+                     (b"retry-after", str(SESSION_RETRY_AFTER).encode()))
 
 
 async def send_unavailable(send: Send) -> None:
     """Answer 503 ``temporarily_unavailable`` (JSON, ``Retry-After``): the database is down."""
-    body = orjson.dumps({"error": "temporarily_unavailable",
-                         "error_description": "The database is unavailable; retry in a few seconds."})
-    await send({"type": "http.response.start", "status": 503,
+    await _send_json(send, 503, {"error": "temporarily_unavailable",
+                                 "error_description": "The database is unavailable; retry in a few seconds."},
+                     (b"retry-after", str(RETRY_AFTER).encode()))
+
+
+async def _send_json(send: Send, status: int, document: Any, *headers: tuple[bytes, bytes]) -> None:
+    """Answer ``status`` with ``document`` as JSON and ``headers`` besides its type and length."""
+    body = orjson.dumps(document)
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(RETRY_AFTER).encode())]})
+                            *headers]})
     await send({"type": "http.response.body", "body": body})
 
 

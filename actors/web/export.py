@@ -141,21 +141,19 @@ def _accept_jsonl(request: web.Request) -> None:
 
 
 def export_slots(total: int, per_client: int) -> ClientSlots:
-    """The node's caps on concurrent exports: ``total`` in all (a request waits up to
-    :data:`SLOT_WAIT` for one), ``per_client`` per client address (refused at once beyond it: one
-    client reading slowly must not hold every connection the exports may take)."""
+    """The node's caps on concurrent exports: ``total`` in all, ``per_client`` per client address
+    (one client reading slowly must not hold every connection the exports may take); a request
+    waits up to :data:`SLOT_WAIT` in all for both, then 503 ``export_busy``."""
 
     def refuse(cap: str) -> NoReturn:
         if cap == "client":
-            raise ServiceUnavailable(
-                f"This client address already has {per_client} synchronization streams open on this node.",
-                code="export_busy", headers={"Retry-After": "2"},
-                how_to_proceed="Read your open exports to the end (or close them) before starting another, "
-                               "then retry with the same cursor.")
-        raise ServiceUnavailable(
-            "Too many synchronization streams are open on this node.", code="export_busy",
-            headers={"Retry-After": "2"},
-            how_to_proceed="Retry after the seconds in Retry-After with the same cursor.")
+            message = f"This client address already has {per_client} synchronization streams open on this node."
+            how = "Read your open exports to the end (or close them) before starting another, then retry with " \
+                  "the same cursor."
+        else:
+            message = "Too many synchronization streams are open on this node."
+            how = "Retry after the seconds in Retry-After with the same cursor."
+        raise ServiceUnavailable(message, code="export_busy", headers={"Retry-After": "2"}, how_to_proceed=how)
 
     return ClientSlots(total, per_client, refuse, wait=SLOT_WAIT)
 

@@ -404,7 +404,7 @@ class RabbitBus(Bus):
             content_type=CONTENT_TYPE, delivery_mode=_PERSISTENT, headers=outgoing_headers(headers),
             message_type=type_name, message_id=message_id, correlation_id=correlation_id)
         await self._send(pub, exchange, routing_key, body, properties, mandatory=mandatory, timeout=timeout,
-                         again=not in_order)
+                         in_order=in_order)
 
     async def publish_raw(
         self,
@@ -430,9 +430,9 @@ class RabbitBus(Bus):
 
     async def _send(self, channel: AbstractRobustChannel, exchange: str, routing_key: str, body: bytes,
                     properties: aiormq.spec.Basic.Properties, *, mandatory: bool, timeout: float,
-                    again: bool = True) -> None:
+                    in_order: bool = False) -> None:
         """Publish and wait for the confirm; across a reconnect, publish again until ``timeout``
-        (``again`` False: raise BusUnavailable at the first loss instead, see ``in_order``)."""
+        (``in_order``: raise BusUnavailable at the first loss instead, see :meth:`Bus.publish`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         attempt = 0
@@ -455,7 +455,7 @@ class RabbitBus(Bus):
             except _FATAL_CHANNEL as e:
                 raise BusError(f"RabbitMQ refused a publish to {exchange!r}: {e}") from None
             except _TRANSIENT as e:
-                if not again:
+                if in_order:
                     raise BusUnavailable(f"publish to {exchange!r} lost with the connection: {self._scrub(repr(e))}") \
                         from None
                 attempt += 1
@@ -466,7 +466,7 @@ class RabbitBus(Bus):
                 if task is not None and task.cancelling():
                     raise
                 # Not our cancellation: a confirm future cancelled by the closing channel.
-                if not again:
+                if in_order:
                     raise BusUnavailable(f"publish to {exchange!r} lost with the channel") from None
                 attempt += 1
                 continue
