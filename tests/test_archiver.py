@@ -25,6 +25,7 @@ from actors.archiver import (
     BATCH_GROWTH,
     BATCH_SEGMENTS,
     FIRST_BATCH_SEGMENTS,
+    PUBLISH_INTERVAL,
     STORE_BACKOFF,
     Archiver,
     SealPolicy,
@@ -66,12 +67,13 @@ async def archiving(stack: Stack, store: ArchiveStore, policy: SealPolicy, *, no
                     signer: SignerKey | None = None,
                     store_backoff: tuple[float, float] = STORE_BACKOFF,
                     batch_segments: int = BATCH_SEGMENTS, manifest_page: int = PAGE_SEGMENTS,
-                    ) -> AsyncIterator[Archiver]:
+                    publish_interval: float = PUBLISH_INTERVAL) -> AsyncIterator[Archiver]:
     """An archiver on the stack's bus and database, running for the block."""
     archiver = Archiver(stack.bus, stack.db, identity=stack.identity, store=store,
                         signer=signer or signer_for(stack), node_id=node_id, policy=policy,
                         sweep_interval=0.2, standby_interval=0.2, store_backoff=store_backoff,
-                        batch_segments=batch_segments, manifest_page=manifest_page)
+                        batch_segments=batch_segments, manifest_page=manifest_page,
+                        publish_interval=publish_interval)
     await archiver.start()
     try:
         yield archiver
@@ -177,10 +179,10 @@ async def test_segments_seal_at_the_event_count_and_publish_manifest_and_checkpo
 async def test_a_backlog_is_caught_up_in_batches_that_grow_from_the_first_size(stack: Stack, tmp_path: Path) -> None:
     """A cold start behind: the first batch is FIRST_BATCH_SEGMENTS segments, each one after it
     BATCH_GROWTH times the one before, up to the batch limit, and each batch is published under its
-    own checkpoint."""
+    own checkpoint when publishes are not spaced out."""
     store = local(tmp_path)
     sequences = await write_messages(stack, 123)  # 41 segments of 3 events
-    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=20):
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=20, publish_interval=0):
         segs = await published(stack, 41)
     assert [s["event_count"] for s in segs] == [3] * 41
     assert [s["last_sequence"] for s in segs] == sequences[2::3]
@@ -191,6 +193,21 @@ async def test_a_backlog_is_caught_up_in_batches_that_grow_from_the_first_size(s
     assert sizes == [12, 60, 120, 123]
     for size in sizes:
         assert await store.head(checkpoint_key(stack.identity.lineage, size)) is not None
+
+
+async def test_behind_the_checkpoints_are_spaced_out_and_the_last_covers_everything(
+        stack: Stack, tmp_path: Path) -> None:
+    """While batches follow one another at once, a verified batch is published only when the last
+    checkpoint is older than the publish interval: the first batch is published, the ones after it
+    wait for the round that finds nothing more to seal, whose checkpoint covers them all."""
+    store = local(tmp_path)
+    sequences = await write_messages(stack, 123)  # batches of 4, 16 and 20 segments, then 1
+    async with archiving(stack, store, SealPolicy(events=3, seconds=3600), batch_segments=20,
+                         publish_interval=3600):
+        await _caught_up_intact(stack, store, sequences, 41)
+    sizes = [r["tree_size"] for r in await stack.db.pool.fetch(
+        "select tree_size from archive_checkpoints where stream = 0 order by tree_size")]
+    assert sizes == [12, 123]
 
 
 class _Hooked(ArchiveStore):
