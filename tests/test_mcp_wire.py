@@ -8,6 +8,7 @@ function is the one ``handle_modern_request`` calls, looked up by its module nam
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 from typing import Annotated, Any
 
@@ -18,11 +19,12 @@ from mcp.shared.inbound import X_MCP_HEADER_KEY, validate_mcp_param_headers
 from mcp_types import ErrorData, JSONRPCError, JSONRPCResponse
 from pydantic import Field
 
-from actors.mcp import wire
+from actors.mcp import sdk_internals, wire
 from actors.mcp.app import build_app
 from actors.mcp.server import ToastMachineServer, declares_header
 from actors.mcp.tools import ToolDeps, register_tools
 from infra.config import Settings
+from protocol.errors import ConfigError
 
 
 def _sdk_write() -> Any:
@@ -136,3 +138,28 @@ def test_a_tool_that_declares_a_header_gets_its_schema_and_the_sdks_check() -> N
     rejection = validate_mcp_param_headers(schema, {"region": "eu"}, {"mcp-param-region": "us"})
     assert rejection is not None
     assert validate_mcp_param_headers(schema, {"region": "eu"}, {"mcp-param-region": "eu"}) is None
+
+
+def test_the_session_manager_internals_the_front_reads_are_there() -> None:
+    """The installed SDK has every internal actors/mcp/sdk_internals.py lists (the session tables,
+    the transport's stream table, the low-level server): the app builds."""
+    server = ToastMachineServer(name="toastmachine")
+    server.streamable_http_app(json_response=True)
+    assert sdk_internals.missing_internals(server) == []
+    sdk_internals.check_internals(server)
+
+
+def test_an_sdk_without_them_is_refused_when_the_app_is_built_naming_the_version() -> None:
+    """An SDK release whose session manager no longer keeps the owners table is refused at build time
+    with the installed version and the release line to install, not met as an AttributeError
+    inside a client's request."""
+    server = ToastMachineServer(name="toastmachine")
+    server.streamable_http_app(json_response=True)
+    del server.session_manager._session_owners  # as a release that renamed it would have it
+    with pytest.raises(ConfigError) as refused:
+        sdk_internals.check_internals(server)
+    message = str(refused.value)
+    assert "StreamableHTTPSessionManager._session_owners" in message
+    assert f"mcp {importlib.metadata.version('mcp')}" in message
+    assert f"'mcp>={sdk_internals.TESTED},<" in message
+    assert "_server_instances" not in message  # only what is missing

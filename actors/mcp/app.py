@@ -74,6 +74,7 @@ from actors.mcp.oauth import (
     StoredAccessToken,
     basic_credentials,
 )
+from actors.mcp.sdk_internals import check_internals
 from actors.mcp.server import ToastMachineServer
 from actors.mcp.token_cache import TokenCache, following
 from actors.reads import rows
@@ -165,6 +166,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
     # 2025-11-25 GET stream, the only streams we serve, stay SSE.
     server.streamable_http_app(transport_security=transport_security(settings), host=settings.mcp_host,
                                json_response=True)
+    check_internals(server)  # before anything relies on them (see actors.mcp.sdk_internals)
     verifier = ProviderTokenVerifier(store)  # type: ignore[arg-type]
     mcp_endpoint = McpEndpoint(server.session_manager.handle_request,
                                BearerAuthBackend(verifier, resource_server_url=AnyHttpUrl(store.resource)),
