@@ -46,7 +46,8 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, NotFoundError, PreconditionError
 from obstore.store import LocalStore, S3Store
 
-from infra.config import Settings, redact_url
+from infra.config import Settings
+from infra.redact import redact_url
 from protocol.archive import MAX_SEGMENT_BYTES
 from protocol.errors import ConfigError, ToastMachineError
 

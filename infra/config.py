@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from infra.client_address import TrustedProxies
+from infra.redact import redact_url
 from protocol.checkpoint import CheckpointError, parse_signer_key
 from protocol.errors import ConfigError
 from protocol.manifest import PAGE_SEGMENTS
@@ -230,31 +231,6 @@ _SECRETS = {"archive_s3_secret_access_key", "archive_signing_key"}
 # Variables with our prefix that are read by the test suite or CI, not by a node.
 _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOASTMACHINE_TEST_CHROMIUM",
             "TOASTMACHINE_REQUIRE_SERVICES"}
-
-
-#: Query parameters of a connection URL that hold a secret (libpq takes ``password`` and
-#: ``sslpassword`` there as well as in the user-info part), compared with the key decoded.
-_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
-
-
-def redact_url(url: str) -> str:
-    """Replace the password of a URL with ***: in its user-info part and in a ``password`` or
-    ``sslpassword`` query parameter (its name percent-encoded too; its value up to the next ``&``,
-    as the drivers split it). The rest is left as written."""
-    parts = urlsplit(url)
-    out = url
-    if parts.password is not None:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        out = out.replace(parts.netloc, netloc, 1)
-    if parts.query:
-        pieces = []
-        for piece in parts.query.split("&"):
-            name, equals, _value = piece.partition("=")
-            pieces.append(f"{name}=***" if equals and unquote(name).lower() in _SECRET_PARAMETERS else piece)
-        query = "&".join(pieces)
-        if query != parts.query:
-            out = out.replace("?" + parts.query, "?" + query, 1)
-    return out
 
 
 def _url(*schemes: str) -> Callable[[str, str], str]:

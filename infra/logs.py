@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from infra.redact import redact_line
+
 TRACE_HEADER = "x-trace-id"
 #: What a trace id taken from outside (an HTTP ``X-Trace-Id``, a message's ``x-trace-id``) must look
 #: like to be kept: anything else is replaced by a fresh one, so that no sender can put arbitrary
@@ -97,10 +99,6 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     logging.captureWarnings(True)
 
 
-#: A URL's password (``scheme://user:password@``), wherever a line holds one.
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
-#: A URL's ``password=`` or ``sslpassword=`` query parameter (libpq reads both), wherever a line holds one.
-_PASSWORD_PARAMETER = re.compile(r"(?P<name>[?&](?:ssl)?pass(?:word|%77ord)=)[^&#\s'\"]*", re.IGNORECASE)
 #: Libraries whose failures while reconnecting are expected during an outage: our own lines say
 #: what happened (bus.connection_lost, writer.database_unavailable...), so theirs are one line each.
 _RECONNECTING_LIBRARIES = ("asyncpg", "aiormq", "aio_pika", "pamqp")
@@ -111,8 +109,7 @@ class _RedactingFormatter(structlog.stdlib.ProcessorFormatter):
     last guard for what a library puts in its own messages."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = _URL_PASSWORD.sub(r"\g<head>***@", super().format(record))
-        return _PASSWORD_PARAMETER.sub(r"\g<name>***", line)
+        return redact_line(super().format(record))
 
 
 def _library_lines(record: logging.LogRecord) -> bool:

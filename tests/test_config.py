@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import Settings, redact_url
+from infra.config import Settings
+from infra.redact import redact_line, redact_url
 from protocol.errors import ConfigError
 
 
@@ -86,6 +87,25 @@ def test_redaction_hides_passwords() -> None:
         Settings.from_env({"TOASTMACHINE_ARCHIVE_S3_ENDPOINT": "http://key:s3cret@127.0.0.1:8333"})
     s = Settings.from_env({"TOASTMACHINE_DATABASE_URL": "postgresql://tm:hunter2@db/tm"})
     assert "hunter2" not in str(s.redacted())
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://tm:hunter2@db:5432/tm",
+    "postgresql://db/tm?password=hunter2",
+    "postgresql://db/tm?sslmode=require&SSLPassword=hunter2",
+    "postgresql://db/tm?p%61ssword=hunter2",  # any letter of the name percent-encoded
+    "postgresql://db/tm?ssl%70ass%77ord=hunter2&a=1",
+    "amqp://guest:hunter2@mq:5672/",
+])
+def test_a_log_line_and_a_url_hide_the_same_passwords(url: str) -> None:
+    """The log formatter's last guard (redact_line, on a whole line holding the URL among other
+    words and quotes) hides every password redact_url hides, from the one list of names."""
+    assert "hunter2" not in redact_url(url)
+    for line in (f"connect to {url} failed", f"dsn='{url}' refused", f'{{"url": "{url}"}}'):
+        redacted = redact_line(line)
+        assert "hunter2" not in redacted, line
+        assert redacted.startswith(line[:8])  # the words around it stay
+    assert redact_line("application_name=password and ?passwords=x") == "application_name=password and ?passwords=x"
 
 
 def test_cli_stops_with_the_variable_name(tmp_path: Path) -> None:

@@ -21,9 +21,10 @@ from typing import Any, NoReturn
 from actors.registry import ACTORS
 from infra.bus import make_bus
 from infra.bus.base import COMMANDS_EXCHANGE
-from infra.config import Settings, redact_url
+from infra.config import Settings
 from infra.exclusive import AlreadyInUse
 from infra.logs import configure_logging, get_logger
+from infra.redact import redact_url
 from protocol.corpus import terminal_safe
 from protocol.errors import ConfigError, ToastMachineError
 from protocol.messages import ErrorReply, Ping, Pong

@@ -21,7 +21,7 @@ from actors.registry import ACTORS
 from actors.web.app import WebFront
 from infra.bus import make_bus
 from infra.bus.base import Bus
-from infra.config import Settings, redact_url
+from infra.config import Settings
 from infra.db import (
     CorpusIdentity,
     Database,
@@ -33,6 +33,7 @@ from infra.db import (
 from infra.exclusive import check_can_listen, free_port, hold_data_dir
 from infra.logs import get_logger
 from infra.metrics import Metrics
+from infra.redact import redact_url
 from infra.runtime import Actor, ActorHealth, Supervisor, tune_gc
 from protocol.errors import ConfigError, LineageMismatch
 

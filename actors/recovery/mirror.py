@@ -43,11 +43,11 @@ from actors.reads.archive import MANIFEST_PATH
 from actors.recovery.load import HistoryLoader, LoadProgress, as_mirror, decode_events
 from actors.recovery.walk import PageCache, read_manifest
 from infra.archive_store import ArchiveStoreError, ObjectNotFound
-from infra.config import redact_url
 from infra.db import Database, connection
 from infra.http_client import read_capped
 from infra.logs import get_logger
 from infra.outages import DB_UNAVAILABLE_ERRORS
+from infra.redact import redact_url
 from infra.runtime import Actor
 from protocol.archive import (
     GENESIS_HASH,

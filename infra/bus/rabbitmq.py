@@ -74,8 +74,8 @@ from infra.bus.policy import (
     handle_delivery,
     outgoing_headers,
 )
-from infra.config import redact_url
 from infra.logs import get_logger
+from infra.redact import redact_url
 from protocol.errors import BusError, BusUnavailable, Unroutable
 from protocol.messages import CONTENT_TYPE, BusMessage, encode_message
 

@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import asyncpg
 import orjson
 
-from infra.config import redact_url
 from infra.logs import get_logger
+from infra.redact import redact_url
 from protocol.errors import ConfigError, DatabaseUnavailable
 
 log = get_logger("toastmachine.db")
