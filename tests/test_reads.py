@@ -750,6 +750,12 @@ async def test_search_phrases_and_exclusions_with_common_words(stack: Stack) -> 
     assert scrambled["message"]["id"] not in [h["message"]["id"] for h in phrase["items"]]
     assert [h["message"]["id"] for h in excluded["items"]] == [retry["message"]["id"]]
     assert retry_the["message"]["id"] not in [h["message"]["id"] for h in excluded["items"]]
+    # A dash standing apart still excludes (as PostgreSQL reads it), word for word; two cancel out.
+    for q, expected in (("retry - the", [retry]), ("retry  -  the", [retry]), ("a - the", [])):
+        found = await _ok(stack, "/search", params={"q": q})
+        assert [h["message"]["id"] for h in found["items"]] == [e["message"]["id"] for e in expected], q
+    found = await _ok(stack, "/search", params={"q": "retry -- once"})  # as "retry once": best match first
+    assert found["items"][0]["message"]["id"] == retry["message"]["id"]
 
 
 async def test_search_refuses_queries_that_would_rank_everything_and_stops_one_that_runs_too_long(
@@ -762,6 +768,7 @@ async def test_search_refuses_queries_that_would_rank_everything_and_stops_one_t
     alice = await stack.register("alice")
     await stack.conversation(alice, "words", content="retry the thing or not")
     for q, why in (("-timeout -retry", "no word to match"), ('-"the thing" !!! -or', "no word to match"),
+                   ("- zzz", "no word to match"), ("-  - - zzz", "no word to match"),
                    (" ".join(f"w{i}" for i in range(17)), "at most 16")):
         reply = await _get(stack, "/search", params={"q": q})
         assert reply.status == 400 and reply.body["error"]["field"] == "q", (q, reply.body)

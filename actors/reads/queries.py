@@ -238,6 +238,18 @@ SEARCH_TIMEOUT = 10.0
 #: A query's words: a quoted phrase (its words counted one by one) or a run of non-spaces.
 _SEARCH_TOKEN = re.compile(r'-?"[^"]*"?|\S+')
 _WORD = re.compile(r"\w+")
+#: A run of dashes (spaces between them allowed) at the start of a term: PostgreSQL's
+#: websearch_to_tsquery negates the next term once per dash, detached or not (``- x`` is ``!x``,
+#: ``-- x`` is ``!!x``, that is ``x``).
+_DASHES = re.compile(r"(?:(?<=\s)|^)(?:-\s*)+(?=[^\s-])")
+
+
+def _attached_exclusions(text: str) -> str:
+    """``text`` with every run of dashes before a term written as the one attached dash it means,
+    or none (an even number): the same query to PostgreSQL, in the form the word count and the
+    choice of dictionaries read (``- zzz`` alone would otherwise pass as a wanted word, and its
+    stemming half match every message)."""
+    return _DASHES.sub(lambda m: "-" if m.group().count("-") % 2 else "", text)
 
 
 def _check_search_words(text: str) -> None:
@@ -265,6 +277,7 @@ def plan_search(q: Query) -> Plan:
     text = q.text("q", max_length=_Q_MAX, strip=True)
     if text is None:
         raise invalid("q", "'q' is required.", 'Send q=<words>, e.g. q=retry "operation token" -timeout.')
+    text = _attached_exclusions(text)
     _check_search_words(text)
     where, values = _Where(), {"q": text}
     _message_filters(q, where, values, alias="m")
