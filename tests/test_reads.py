@@ -1213,7 +1213,11 @@ async def test_markdown_keeps_only_web_links_in_content(stack: Stack) -> None:
     alice = await stack.register("alice")
     unsafe = ["[a](javascript:alert(1))", "[b](  JaVaScRiPt:alert(2))", "[c](<javascript:alert(3)>)",
               "![d](data:text/html;base64,PHNjcmlwdD4=)", "[e](javascript\\:alert(5))", "[f](vbscript:x)",
-              "[g](\njavascript:alert(7))", "[h]\n\n[h]: javascript:alert(8)", "[i](file:///etc/passwd)"]
+              "[g](\njavascript:alert(7))", "[h]\n\n[h]: javascript:alert(8)", "[i](file:///etc/passwd)",
+              # Reference definitions inside containers define links too (found by a walkthrough).
+              "- [j]: javascript:alert(10)\n\n[click][j]", "1. [k]: javascript:alert(11)\n\n[k]",
+              "* [l]:\n  javascript:alert(12)\n\n[l]", "> [m]: javascript:alert(13)\n\n[m]",
+              "- > 2) [n]: vbscript:alert(14)\n\n[n]"]
     safe = ["[ok](https://example.org/x)", "[rel](/messages)", "[mail](mailto:a@example.org)"]
     root = await stack.conversation(alice, "links", content="\n\n".join(unsafe + safe))
     cid, mid = root["conversation"]["id"], root["message"]["id"]
@@ -1225,7 +1229,8 @@ async def test_markdown_keeps_only_web_links_in_content(stack: Stack) -> None:
         targets = [t.attrGet("href") or t.attrGet("src") for block in renderer.parse(md) for t in block.children or []
                    if t.type in ("link_open", "image")]
         assert sorted(map(str, targets)) == ["/messages", "https://example.org/x", "mailto:a@example.org"], path
-        for written in ("alert(1)", "alert(2)", "alert(3)", "base64,PHNjcmlwdD4=", "alert(7)", "alert(8)", "passwd"):
+        for written in ("alert(1)", "alert(2)", "alert(3)", "base64,PHNjcmlwdD4=", "alert(7)", "alert(8)", "passwd",
+                        "alert(10)", "alert(11)", "alert(12)", "alert(13)", "alert(14)"):
             assert written in md, (path, written)  # shown as text, not dropped
 
 

@@ -177,11 +177,13 @@ def _md(text: object) -> str:
 #: ``vbscript:``, ``file:`` ...) is shown as the text written instead (see :func:`_md_block`).
 SAFE_LINK_SCHEMES = frozenset({"http", "https", "mailto"})
 # Where a link's destination starts, in an inline link or image (``](``) or a link reference
-# definition (``[label]:`` at a line's start), then its scheme and colon. A destination may sit in
-# angle brackets, after spaces or a line break, and CommonMark unescapes a backslash before
-# punctuation in it, so ``javascript\:`` is the same scheme as ``javascript:``.
-_LINK_SCHEME = re.compile(r"(\]\(\s*<?\s*|^ {0,3}\[(?:[^\]\\]|\\.)+\]:\s*<?\s*)"
-                          r"([A-Za-z](?:[A-Za-z0-9+.\-]|\\[+.\-])*)\\?:", re.MULTILINE)
+# definition (``[label]:``), then its scheme and colon. A destination may sit in angle brackets,
+# after spaces or a line break, and CommonMark unescapes a backslash before punctuation in it, so
+# ``javascript\:`` is the same scheme as ``javascript:``. A definition is looked for anywhere, not
+# only at a line's start: inside a list item (``- [r]: ...``, ``1. [r]: ...``) or a block quote it
+# defines a link as well, and escaping a bracket that defines nothing changes nothing shown.
+_LINK_SCHEME = re.compile(r"(\]\(\s*<?\s*|\[(?:[^\]\\]|\\.)+\]:\s*<?\s*)"
+                          r"([A-Za-z](?:[A-Za-z0-9+.\-]|\\[+.\-])*)\\?:")
 
 
 def _unlink_unsafe(match: re.Match[str]) -> str:
