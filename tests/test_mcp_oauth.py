@@ -149,6 +149,36 @@ async def test_pkce_wrong_verifier_is_refused_and_leaves_the_code_usable(front: 
         assert (await _exchange(http, front.base, client["client_id"], code, verifier)).status_code == 200
 
 
+async def test_a_plain_options_request_has_no_effect(front: Front) -> None:
+    """OPTIONS without CORS preflight headers, carrying the body a POST would: 204 with Allow and
+    nothing done (the CORS layer passed it on and the handler took it as a POST: a client was
+    registered, a code redeemed, a grant revoked). A real preflight is still answered for CORS."""
+    async with httpx.AsyncClient() as http:
+        clients = await front.db.pool.fetchval("select count(*) from oauth_clients")
+        body = {"redirect_uris": ["http://127.0.0.1:9999/cb"], "token_endpoint_auth_method": "none"}
+        r = await http.request("OPTIONS", front.base + "/register", json=body)
+        assert r.status_code == 204 and r.headers["allow"] == "POST, OPTIONS" and not r.content
+        assert await front.db.pool.fetchval("select count(*) from oauth_clients") == clients
+        client = await _register(http, front.base)
+        verifier, challenge = _pkce()
+        code = await _code(http, front.base, client["client_id"], challenge)
+        form = {"grant_type": "authorization_code", "code": code, "redirect_uri": REDIRECT,
+                "client_id": client["client_id"], "code_verifier": verifier}
+        r = await http.request("OPTIONS", front.base + "/token", data=form)
+        assert r.status_code == 204 and "access_token" not in r.text
+        issued = await _exchange(http, front.base, client["client_id"], code, verifier)
+        assert issued.status_code == 200  # the code was not spent by the OPTIONS
+        refresh = issued.json()["refresh_token"]
+        r = await http.request("OPTIONS", front.base + "/revoke", data={"token": refresh, "client_id": client["client_id"]})
+        assert r.status_code == 204
+        assert (await _refresh(http, front.base, client["client_id"], refresh)).status_code == 200  # not revoked
+        r = await http.request("OPTIONS", front.base + "/.well-known/oauth-authorization-server")
+        assert r.status_code == 204 and r.headers["allow"] == "GET, OPTIONS"
+        preflight = await http.request("OPTIONS", front.base + "/token", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 200 and "POST" in preflight.headers["access-control-allow-methods"]
+
+
 async def test_pkce_plain_and_missing_are_refused(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         client = await _register(http, front.base)

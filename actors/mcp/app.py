@@ -195,10 +195,12 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         return RequestBodyLimitMiddleware(request_response(handler), DEFAULT_MAX_REQUEST_BODY_SIZE)
 
     def oauth_post(handler: Callable[[Request], Awaitable[Response]]) -> ASGIApp:
-        return RequestBodyLimitMiddleware(cors_middleware(handler, ["POST", "OPTIONS"]), MAX_OAUTH_BODY)
+        return RequestBodyLimitMiddleware(cors_middleware(_options_answered(handler, "POST"), ["POST", "OPTIONS"]),
+                                          MAX_OAUTH_BODY)
 
-    as_metadata = cors_middleware(MetadataHandler(metadata).handle, ["GET", "OPTIONS"])
-    pr_metadata = cors_middleware(ProtectedResourceMetadataHandler(prm).handle, ["GET", "OPTIONS"])
+    as_metadata = cors_middleware(_options_answered(MetadataHandler(metadata).handle, "GET"), ["GET", "OPTIONS"])
+    pr_metadata = cors_middleware(_options_answered(ProtectedResourceMetadataHandler(prm).handle, "GET"),
+                                  ["GET", "OPTIONS"])
     routes = [
         Route("/.well-known/oauth-authorization-server", as_metadata, methods=["GET", "OPTIONS"]),
         Route("/.well-known/oauth-protected-resource/mcp", pr_metadata, methods=["GET", "OPTIONS"]),
@@ -233,6 +235,22 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
 
 
 log = get_logger("toastmachine.mcp")
+
+
+def _options_answered(handler: Callable[[Request], Awaitable[Response]],
+                      method: str) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` for ``method``, with an OPTIONS request answered 204 with ``Allow``. The CORS
+    middleware around it answers a preflight (OPTIONS with ``Origin`` and
+    ``Access-Control-Request-Method``) itself and passes any other request on, whatever its method,
+    and the SDK's handlers do not look at the method: a plain OPTIONS with a body registered a
+    client, redeemed a code or revoked a grant as a POST would."""
+
+    async def answer(request: Request) -> Response:
+        if request.method == "OPTIONS":
+            return Response(status_code=204, headers={"Allow": f"{method}, OPTIONS"})
+        return await handler(request)
+
+    return answer
 
 
 def _session_counter(server: MCPServer) -> Callable[[str], int]:
