@@ -231,7 +231,13 @@ class ArchiveStore:
         """The store named by a ``TOASTMACHINE_ARCHIVE_URL`` value (None: ``data_dir/archive``)."""
         directory = cls.local_directory(url, data_dir)
         if directory is not None:
-            return cls.local(directory)
+            try:
+                return cls.local(directory)
+            except OSError as e:  # a file there, a path under /proc, no permission...
+                raise ConfigError(f"the archive directory {directory} cannot be used: "
+                                  f"{e.strerror or type(e).__name__} (TOASTMACHINE_ARCHIVE_URL, or "
+                                  "TOASTMACHINE_DATA_DIR when it is unset, must name a directory this "
+                                  "process can create and write)") from None
         assert url is not None
         parts = urlsplit(url)
         if parts.scheme == "s3" and parts.netloc:

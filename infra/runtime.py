@@ -297,6 +297,12 @@ class Supervisor:
             except ConfigError as e:
                 self._misconfigure(name, e)
                 return
+            except Exception as e:  # noqa: BLE001 - reported, never left to end this task unseen
+                # A factory builds the actor from the settings alone: what fails there fails again
+                # at every restart, so it is a configuration error (this task ending silently would
+                # leave the process waiting for ever on an actor that never starts).
+                self._misconfigure(name, ConfigError(f"{name} could not be set up: {type(e).__name__}: {e}"))
+                return
             self.actors[name] = actor
             try:
                 await actor.start()

@@ -251,3 +251,20 @@ async def test_a_malformed_store_or_node_url_is_a_usage_error(tmp_path: Path) ->
         assert await proc.wait() == 2, (args, proc.output)
         text = "\n".join(proc.output)
         assert "is not a URL or a path" in text and "Traceback" not in text, text
+
+
+async def test_an_archive_directory_that_cannot_be_one_is_named_at_once(tmp_path: Path, database_url: str,
+                                                                        rabbitmq_url: str) -> None:
+    """TOASTMACHINE_ARCHIVE_URL naming a regular file: ``run archiver`` exits 2 with one line naming
+    the directory (it hung, printing nothing, its supervising task ended by the factory's
+    FileExistsError), and ``archive status`` and ``verify`` say the same without a traceback."""
+    occupied = tmp_path / "not-a-directory"
+    occupied.write_text("x")
+    env = procs.clean_env(TOASTMACHINE_DATA_DIR=str(tmp_path / "data"), TOASTMACHINE_DATABASE_URL=database_url,
+                          TOASTMACHINE_AMQP_URL=rabbitmq_url, TOASTMACHINE_ARCHIVE_URL=str(occupied))
+    for args in (("run", "archiver"), ("archive", "status"), ("archive", "verify")):
+        proc = await procs.start(*args, env=env)
+        async with asyncio.timeout(60):
+            assert await proc.wait() == 2, (args, proc.output)
+        text = "\n".join(proc.output)
+        assert f"the archive directory {occupied} cannot be used" in text and "Traceback" not in text, (args, text)

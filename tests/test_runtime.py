@@ -189,3 +189,18 @@ async def test_work_cut_off_by_the_grace_deadline_is_redelivered(bus: Bus) -> No
     d = await _first_message(bus, queue)
     assert isinstance(d.message, Probe) and d.message.n == 7
     assert d.redelivered and d.delivery_count >= 2
+
+
+async def test_a_factory_failing_otherwise_is_a_configuration_error_not_a_silent_hang() -> None:
+    """An actor whose factory raises something other than ConfigError (an OSError from a path it
+    was given) fails like a misconfigured one: start raises at once, naming the actor and the
+    error, instead of the supervising task ending unseen and start waiting for ever."""
+    def build() -> Actor:
+        raise FileExistsError(17, "File exists")
+
+    sup = Supervisor({"broken": build}, Backoff(initial=0.01, maximum=0.02))
+    async with asyncio.timeout(10):
+        with pytest.raises(ConfigError, match=r"broken could not be set up: FileExistsError: \[Errno 17\] File exists"):
+            await sup.start(wait=3600)
+    assert sup.health["broken"].state is ActorState.FAILED
+    await sup.stop(grace=1)
