@@ -74,6 +74,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -198,6 +199,17 @@ T = TypeVar("T")
 
 class ArchiverError(ToastMachineError):
     """The history or the archive's bookkeeping is not what the archiver recorded: it stops."""
+
+
+class StoreLacksArchive(ConfigError, ProcessFatal):
+    """The archive store lacks the last checkpoint the database records as published: it is not the
+    store this corpus archives to (an archiver started with another ``TOASTMACHINE_ARCHIVE_URL``, or
+    its ``DATA_DIR``'s default directory on another machine), or objects were lost from it.
+
+    Archiving on there would split the history between stores: the next segment written where
+    every earlier one is missing, a manifest naming objects the store never held, and the right
+    store left with a gap that no later segment fills. Checked at each activation, before anything
+    is put; the process stops with exit 2, as for a configuration error."""
 
 
 class SigningKeyMismatch(ConfigError, ProcessFatal):
@@ -660,6 +672,28 @@ class Archiver(Actor):
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
 
+    async def _check_store_holds_published(self, conn: Any) -> None:
+        """:class:`StoreLacksArchive` unless the store holds, byte for byte, each stream's last
+        checkpoint the database records as published (a different one is a :class:`ForkAlarm`)."""
+        for stream, key_of in ((Stream.PUBLIC, checkpoint_key), (Stream.PRIVATE, private_checkpoint_key)):
+            last = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
+                                       "order by tree_size desc limit 1", int(stream))
+            if last is None:
+                continue
+            key = key_of(self._lineage, last["tree_size"])
+            try:
+                stored = await self.store.get(key)
+            except ObjectNotFound:
+                raise StoreLacksArchive(
+                    f"the archive store ({self.store.description}) lacks {key}, the {stream.name.lower()} "
+                    f"checkpoint at tree size {last['tree_size']} this corpus's database records as published: "
+                    "it is not the store this corpus archives to, or objects were lost from it. Every archiver "
+                    "of a corpus must use the same TOASTMACHINE_ARCHIVE_URL (a shared S3 bucket, not each "
+                    "machine's DATA_DIR); 'toastmachine archive verify' lists what a store lacks.") from None
+            note = last["note"].encode()
+            if stored != note:
+                raise ForkAlarm(key, hashlib.sha256(stored).hexdigest(), hashlib.sha256(note).hexdigest())
+
     async def _watch_key_while_standby(self) -> None:
         """While this instance stands by, compare its key with the one the database records, every
         :data:`KEY_WATCH_INTERVAL` seconds until one is recorded: a standby started with a key of
@@ -718,6 +752,7 @@ class Archiver(Actor):
             try:
                 if not self._probed:
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
+                    await guarded(session, self._check_store_holds_published(session.conn))
                     if self._sweeping is None:
                         self._sweeping = asyncio.ensure_future(self._sweep_staging())
                     self._probed = True

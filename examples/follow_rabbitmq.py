@@ -2,7 +2,8 @@
 
 1. Ask the node which corpus it serves (``GET /corpus`` → ``corpus_id``), declare a durable queue of
    your own and bind it to that corpus's topic exchange ``tm.events.<corpus_id>`` with the patterns
-   you care about (``message.*.*``: every appended message, in every partition). Several corpora may
+   you care about (``message.*.*``: every appended message, in every partition; a conversation's
+   root message comes in ``conversation.created``, so add ``conversation.*.*`` for those). Several corpora may
    share one broker: ``tm.events`` carries all of them, ``tm.events.<corpus_id>`` only this one.
    Still check each envelope's ``corpus_id`` and ``lineage``.
 2. Catch up from ``GET /corpus/changes.jsonl?after=<last applied>`` first: the queue only holds

@@ -29,6 +29,7 @@ from actors.archiver import (
     STORE_BACKOFF,
     Archiver,
     SealPolicy,
+    StoreLacksArchive,
     active_archiver,
     application_name,
     seal_cuts,
@@ -50,6 +51,7 @@ from protocol.archive import (
 )
 from protocol.archive_private import AgentRecord, OperationRecord, decode_private_record
 from protocol.checkpoint import SignerKey, generate_signer_key, parse_verifier_key, verify_checkpoint
+from protocol.errors import ConfigError
 from protocol.manifest import PAGE_SEGMENTS, decode_manifest
 from protocol.merkle import CompactTree
 from tests.corpus_fixtures import Stack
@@ -476,6 +478,32 @@ async def test_an_activation_sweeps_the_staging_files_a_crash_left(stack: Stack,
         await published(stack, 1)
         await asyncio.wait_for(archiver.staging_swept.wait(), WAIT)  # it runs beside the rounds
     assert not stale.exists() and young.exists()
+
+
+async def test_an_archiver_on_another_store_is_refused_before_it_writes_a_segment_there(
+        stack: Stack, tmp_path: Path) -> None:
+    """An archiver started with another store than the corpus's (another machine's DATA_DIR
+    default) finds the last published checkpoints absent there and stops (exit 2 in a process)
+    before sealing anything into it: it used to write the next segment into the empty store and
+    publish a manifest naming objects that store never held, leaving a gap in the real one. The
+    corpus's own store then carries on as before."""
+    home, elsewhere = local(tmp_path / "home"), local(tmp_path / "elsewhere")
+    signer = signer_for(stack)  # the corpus's one key (the case of another key is refused earlier)
+    await write_messages(stack, 4)
+    async with archiving(stack, home, SealPolicy(events=2, seconds=3600), signer=signer):
+        await published(stack, 2)
+    await write_messages(stack, 2)
+    async with archiving(stack, elsewhere, SealPolicy(events=2, seconds=3600), node_id="arch-b",
+                         signer=signer) as archiver:
+        error = await asyncio.wait_for(archiver.crashed(), WAIT)
+    assert isinstance(error, StoreLacksArchive) and isinstance(error, ConfigError)
+    assert "lacks" in str(error) and "TOASTMACHINE_ARCHIVE_URL" in str(error)
+    assert not list((tmp_path / "elsewhere").rglob("segments/*")), "nothing sealed into the other store"
+    assert [s["state"] for s in await segments(stack)] == ["published", "published"]
+    async with archiving(stack, home, SealPolicy(events=2, seconds=3600), signer=signer):
+        await published(stack, 3)
+    decoded = await read_archive(home, stack.identity.lineage)
+    assert len(decoded) == 3
 
 
 async def test_a_store_ignoring_create_only_writes_is_refused_at_start(stack: Stack) -> None:
