@@ -78,6 +78,26 @@ async def test_the_database_ahead_of_the_archive_is_lag_not_failure(db: Database
     assert report.database is not None and report.database.lag_events == added.changes
 
 
+async def test_a_store_behind_what_the_database_records_published_is_not_mere_lag(
+        db: Database, store: ArchiveStore) -> None:
+    """The database records the checkpoints the archiver published. A store whose newest checkpoint
+    is older (another store than the archiver wrote to, or objects lost from it) is reported as
+    such, not as lag with ``ok`` true; a recorded checkpoint of the store's size with another root
+    is a mismatch; one the store holds as recorded is fine."""
+    archived = await _archived(db, store)
+    added = await seed_corpus(db, messages=3, agents=2, random_seed=8)
+    record = "insert into archive_checkpoints (stream, tree_size, root, note) values (0, $1, $2, 'n')"
+    await db.pool.execute(record, archived.size, archived.root)  # what the store holds: no finding
+    assert (await _verify(db, store, archived)).ok
+    await db.pool.execute(record, archived.size + added.changes, bytes(32))
+    report = await _verify(db, store, archived)
+    assert _kinds(report) == {"archive_behind_database"}, report.to_json()
+    assert f"size {archived.size + added.changes} as published" in report.findings[0].message
+    await db.pool.execute("delete from archive_checkpoints")
+    await db.pool.execute(record, archived.size, bytes(32))
+    assert _kinds(await _verify(db, store, archived)) == {"checkpoint_mismatch"}
+
+
 async def test_an_empty_or_absent_archive_verifies_nothing_and_fails(db: Database, tmp_path: Path) -> None:
     store = ArchiveStore.local(tmp_path / "empty")
     await ensure_identity(db, None, None)

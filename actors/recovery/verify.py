@@ -8,7 +8,9 @@ frame's bytes equal to the row's stored event as the segment's format version ho
 So a row edited behind the immutability triggers' back (``event_mismatch``), an archived event the
 database does not have (``missing_in_database``) and a committed change the archiver skipped
 (``not_archived``) are each reported with their sequence. Rows after the archive's last sequence are
-*lag*, reported with their count, never a failure.
+*lag*, reported with their count, never a failure, unless the database records a checkpoint as
+published beyond the store's newest (``archive_behind_database``): then the store lacks what the
+archiver wrote, and those rows are not merely waiting to be archived.
 
 The report (:class:`VerifyReport`) is JSON; ``ok`` is false on any finding, and also when nothing
 was verified (an empty or absent archive proves nothing).
@@ -121,6 +123,9 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
     walk = ArchiveWalk(source, lineage, trusted=trusted)
     findings: list[Finding] = []
     comparison: DatabaseComparison | None = None
+    # Read before the store is: the archiver puts a checkpoint (and syncs it) before it records it
+    # published, so the store read after this holds at least what it says, however busy the archiver.
+    recorded = await _recorded_checkpoint(db) if db is not None else None
     await walk.open()
     if db is None:
         async for _ in walk.segments():
@@ -148,6 +153,17 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
                 comparer.skip(manifest.archived_through or 0)
             await comparer.finish()
     walk.finish()
+    if recorded is not None and comparison is not None and comparison.lineage == str(lineage):
+        newest = walk.summary.latest_checkpoint or {"size": 0, "root": None}
+        size, root = recorded
+        if size > newest["size"]:
+            findings.append(Finding(
+                "archive_behind_database", f"the database records the checkpoint of size {size} as published, "
+                f"the store's newest is of size {newest['size']}: the store lacks what the archiver wrote (it is "
+                "not the store the archiver writes to, or objects were lost from it)"))
+        elif size == newest["size"] and root != newest["root"]:
+            findings.append(Finding("checkpoint_mismatch", f"the checkpoint of size {size} the database records "
+                                    f"has root {root}, the store's has {newest['root']}"))
     private: dict[str, Any] | None = None
     if walk.manifest is not None and await _has_private_stream(source, lineage):
         private_walk = PrivateWalk(source, lineage, walk.verifier)
@@ -162,6 +178,14 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
         # Checking nothing proves nothing: an empty, absent or wholly unreadable archive fails.
         all_findings.insert(0, Finding("nothing_verified", "no segment of the archive could be checked"))
     return VerifyReport(walk.summary, comparison, all_findings, private)
+
+
+async def _recorded_checkpoint(db: Target) -> tuple[int, str] | None:
+    """The size and root (hex) of the newest public checkpoint the database records as published."""
+    async with connection(db) as conn:
+        row = await conn.fetchrow("select tree_size, encode(root, 'hex') as root from archive_checkpoints "
+                                  "where stream = 0 order by tree_size desc limit 1")
+    return None if row is None else (row["tree_size"], row["root"])
 
 
 async def _has_private_stream(source: ArchiveSource, lineage: uuid.UUID) -> bool:
