@@ -62,6 +62,17 @@ class Metrics:
         self.corpus_archive_store_up = Gauge(
             "toastmachine_corpus_archive_store_up", "1 while the active archiver's store answered it last, 0 "
             "while it fails (from archiver_store_state).", registry=self.registry)
+        # The publisher likewise: its cursor, how far the history is ahead of it, and whether any
+        # process holds its lock (a stopped publisher leaves writes committed but never followed).
+        self.corpus_publisher_cursor = Gauge(
+            "toastmachine_corpus_publisher_cursor", "The event publisher's cursor: every change up to it is "
+            "confirmed on tm.events (NaN: the database did not answer).", registry=self.registry)
+        self.corpus_publisher_lag = Gauge(
+            "toastmachine_corpus_publisher_lag_events", "Committed changes after the publisher's cursor, not yet "
+            "published (counted up to 100,000).", registry=self.registry)
+        self.corpus_publisher_active = Gauge(
+            "toastmachine_corpus_publisher_active", "1 while some process holds the publisher lock, 0 while none "
+            "does (no change is published then).", registry=self.registry)
         self.registry.register(_LiveCollector(bus, actors))
 
     def set_corpus_archive(self, detail: Mapping[str, Any]) -> None:
@@ -73,6 +84,14 @@ class Metrics:
         store = detail.get("store")
         self.corpus_archive_store_up.set(nan if not isinstance(store, Mapping) else
                                          1.0 if store.get("status") == "ok" else 0.0)
+
+    def set_corpus_publisher(self, detail: Mapping[str, Any]) -> None:
+        """Set the corpus publisher gauges from the publisher detail a readiness check builds."""
+        nan = float("nan")
+        self.corpus_publisher_cursor.set(float(detail.get("cursor", nan)))
+        self.corpus_publisher_lag.set(float(detail.get("lag_events", nan)))
+        status = detail.get("status")
+        self.corpus_publisher_active.set(1.0 if status == "active" else 0.0 if status == "none_active" else nan)
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -132,6 +132,34 @@ async def write_some(stack: Stack, n: int) -> None:
 # --- in process, both backends --------------------------------------------------------------------
 
 
+async def _publisher_seen(stack: Stack) -> tuple[dict[str, Any], dict[str, float]]:
+    """What a web node's /readyz says of the publisher, and its publisher gauges on /metrics."""
+    ready = await (await stack.client.get("/readyz")).json()
+    text = await (await stack.client.get("/metrics")).text()
+    gauges = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("toastmachine_corpus_publisher_")}
+    return ready["checks"]["publisher"], gauges
+
+
+async def test_a_web_node_shows_whether_a_publisher_runs_and_how_far_behind_it_is(stack: Stack) -> None:
+    """The publisher process serves no HTTP: with none running, writes still commit but nothing is
+    followed, and every web node's /readyz detail and /metrics say so (no publisher, the changes
+    waiting); once one runs and catches up, they show it active with nothing waiting."""
+    await write_some(stack, 3)
+    head = (await history(stack.db))[-1]["sequence"]
+    detail, gauges = await _publisher_seen(stack)
+    assert detail == {"status": "none_active", "cursor": 0, "lag_events": len(await history(stack.db))}
+    assert gauges == {"toastmachine_corpus_publisher_cursor": 0.0, "toastmachine_corpus_publisher_active": 0.0,
+                      "toastmachine_corpus_publisher_lag_events": float(detail["lag_events"])}
+    assert (await stack.client.get("/readyz")).status == 200  # detail, not readiness: the node still serves
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-seen")) as publisher:
+        async with asyncio.timeout(WAIT):
+            await publisher.wait_cursor(head)
+        detail, gauges = await _publisher_seen(stack)
+    assert detail == {"status": "active", "cursor": head, "lag_events": 0}
+    assert gauges["toastmachine_corpus_publisher_active"] == 1.0 and gauges["toastmachine_corpus_publisher_lag_events"] == 0
+
+
 async def test_every_change_is_published_in_order_with_its_envelope_and_headers(stack: Stack) -> None:
     received, _ = await bind_queue(stack.bus, "#")
     await write_some(stack, 10)  # a backlog before the publisher starts

@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from actors.publisher import active_publisher, read_cursor
 from actors.reads import archive as archive_reads
 from actors.web.context import NODE
 from infra.db import Database
@@ -45,7 +46,8 @@ async def readyz(request: web.Request) -> web.Response:
         checks["corpus"] = "lineage_unavailable: configured corpus identity does not match the database"
     else:
         checks["corpus"] = "ok"
-    checks["archive"] = await _archive_detail(node.db)
+    checks["archive"], checks["publisher"] = await asyncio.gather(_archive_detail(node.db),
+                                                                  _publisher_detail(node.db))
     actors = {name: h.as_dict() for name, h in node.actor_health().items()}
     if actors:
         checks["actors"] = actors
@@ -74,6 +76,28 @@ async def _archive_detail(db: Database) -> dict[str, Any]:
             "lag_events": lag, "store": store}
 
 
+#: Changes behind the publisher's cursor counted exactly up to this many.
+PUBLISHER_LAG_CAP = 100_000
+
+
+async def _publisher_detail(db: Database) -> dict[str, Any]:
+    """The event publisher's progress as the database records it: its cursor, the committed changes
+    after it (not yet on ``tm.events`` nor with the hubs: live followers wait for them), and whether
+    a publisher holds the lock (the publisher process serves no HTTP: this is where a stopped one
+    shows). Detail only: the node still commits and serves reads without one."""
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT):
+            cursor = await read_cursor(db)
+            async with db.pool.acquire() as conn:
+                lag = int(await conn.fetchval(
+                    "select count(*) from (select 1 from changes where sequence > $1 limit $2) as behind",
+                    cursor, PUBLISHER_LAG_CAP))
+            holder = await active_publisher(db)
+    except Exception:  # noqa: BLE001 - the database check reports why
+        return {"status": "unknown"}
+    return {"status": "active" if holder is not None else "none_active", "cursor": cursor, "lag_events": lag}
+
+
 def _public_reason(error: Exception) -> str:
     if isinstance(error, TimeoutError):
         return "unreachable: no answer within 2 s"
@@ -88,7 +112,9 @@ def _public_reason(error: Exception) -> str:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition of this process."""
     node = request.app[NODE]
-    node.metrics.set_corpus_archive(await _archive_detail(node.db))
+    archive, publisher = await asyncio.gather(_archive_detail(node.db), _publisher_detail(node.db))
+    node.metrics.set_corpus_archive(archive)
+    node.metrics.set_corpus_publisher(publisher)
     return web.Response(body=node.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

@@ -87,7 +87,11 @@ def _schemas() -> dict[str, Schema]:
     s["Health"] = _obj({"status": {"const": "ok"}})
     checks = {"type": "object", "properties": {"database": {"type": "string"}, "bus": {"type": "string"},
                                                "corpus": {"type": "string"}, "actors": {"type": "object"},
-                                               "archive": {"type": "object"}},
+                                               "archive": {"type": "object"},
+                                               "publisher": {"type": "object", "properties": {
+                                                   "status": {"enum": ["active", "none_active", "unknown"]},
+                                                   "cursor": ref("Count"), "lag_events": ref("Count")},
+                                                   "required": ["status"], "additionalProperties": False}},
               "required": ["database", "bus", "corpus"], "additionalProperties": False}
     s["Ready"] = _obj({"status": {"const": "ready"}, "checks": checks})
     s["NotReady"] = _obj({"error": ref("ErrorBody"), "checks": checks})
