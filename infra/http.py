@@ -40,6 +40,17 @@ TRACE_RESPONSE_HEADER = "X-Trace-Id"
 TRACE_ID: web.RequestKey[str] = web.RequestKey("trace_id", str)
 #: The request's client address, resolved once by the middleware (see :func:`request_client`).
 CLIENT_ADDRESS: web.RequestKey[Address | None] = web.RequestKey("client_address")
+#: The status of a streamed answer whose last byte was sent (set by :func:`delivered`).
+DELIVERED: web.RequestKey[int] = web.RequestKey("delivered", int)
+
+
+async def delivered(request: web.Request, response: web.StreamResponse) -> None:
+    """End a streamed ``response`` (``write_eof``) and record it delivered: a client that closes
+    the connection once it has the last byte (as curl does) makes aiohttp cancel the handler while
+    it still tidies up (a transaction to end, a connection to give back); that is counted as the
+    status sent, not as a client gone before its answer."""
+    await response.write_eof()
+    request[DELIVERED] = response.status
 #: Seconds a request body may take to arrive (TOASTMACHINE_HTTP_READ_TIMEOUT); unset: no deadline.
 READ_TIMEOUT: web.AppKey[float] = web.AppKey("read_timeout", float)
 #: The status recorded for a request whose client left before the answer (nginx's convention):
@@ -126,8 +137,11 @@ def make_middleware(metrics: Metrics | None = None, trusted_proxies: TrustedProx
                 response = await handler(request)
             except asyncio.CancelledError:
                 # aiohttp cancels the handler of a client that disconnected (handler_cancellation):
-                # counted as the 499 it would have been answered, then the cancellation goes on.
-                if request.transport is None or request.transport.is_closing():
+                # counted as the 499 it would have been answered, then the cancellation goes on;
+                # unless the whole answer had been sent, and the client merely closed after it.
+                if DELIVERED in request:
+                    record(request[DELIVERED])
+                elif request.transport is None or request.transport.is_closing():
                     log.info("http.client_gone")
                     record(CLIENT_CLOSED)
                 raise

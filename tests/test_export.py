@@ -412,3 +412,31 @@ async def test_a_node_with_an_identity_error_refuses_sync_with_503(stack: Stack)
             body = await resp.read()
             _error(resp, body, 503, "lineage_unavailable")
             assert "X-Corpus-Lineage" not in resp.headers
+
+
+async def _status_counts(stack: Stack, route: str) -> dict[str, float]:
+    text = await (await stack.client.get("/metrics")).text()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^toastmachine_http_requests_total\{{method="GET",route="{re.escape(route)}",status="(\d+)"\}} (\S+)$',
+        text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("path", ["/corpus/changes.jsonl", "/corpus/snapshot.jsonl"])
+async def test_an_export_read_to_its_end_then_closed_counts_as_delivered(stack: Stack, path: str) -> None:
+    """A client that reads the whole chunked body and closes the connection at once (curl does)
+    got its 200: the handler cancelled while it ends its transaction is not a client gone (499)."""
+    await _history(stack)
+    assert stack.client.server.port is not None
+    rounds = 10
+    for _ in range(rounds):
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.client.server.port)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        async with asyncio.timeout(30):
+            received = await reader.readuntil(b"\r\n0\r\n\r\n")  # the terminating chunk
+        assert received.startswith(b"HTTP/1.1 200 ")
+        writer.close()
+        await writer.wait_closed()
+    async with asyncio.timeout(30):  # the last handler may still be ending: its count follows
+        while sum((counts := await _status_counts(stack, path)).values()) < rounds:
+            await asyncio.sleep(0.02)
+    assert counts == {"200": rounds}, counts

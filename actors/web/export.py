@@ -38,7 +38,7 @@ from actors.web.context import NODE
 from actors.web.render import BROWSABLE_TYPES, Document, choose, respond
 from actors.web.slots import ClientSlots
 from infra.db.pool import connection
-from infra.http import negotiate, single_header
+from infra.http import delivered, negotiate, single_header
 from infra.logs import get_logger
 from protocol import representations as rep
 from protocol.errors import BadRequest, Conflict, NotAcceptable, ServiceUnavailable
@@ -176,7 +176,7 @@ async def _pump(request: web.Request, response: web.StreamResponse,
         async for chunk in chunks:
             async with asyncio.timeout(WRITE_TIMEOUT):
                 await response.write(chunk)
-        await response.write_eof()
+        await delivered(request, response)
     except (ConnectionError, asyncio.CancelledError):
         raise  # the client went away, or the node is stopping
     except TimeoutError:
@@ -243,7 +243,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
             cursor = await conn.cursor(_PAGE, after, last)
             await _pump(request, response, _page_chunks(cursor))
         else:
-            await response.write_eof()
+            await delivered(request, response)
     return response
 
 
@@ -332,7 +332,7 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
                    "Link": f'<{CHANGES_PATH}?{urlencode({"after": at, "lineage": lineage})}>; rel="next"'}
         response = await _start(request, headers)
         if request.method == "HEAD":
-            await response.write_eof()
+            await delivered(request, response)
             return response
         sources = [_Source(rank, kind, await conn.cursor(query), build)
                    for rank, (kind, query, build) in enumerate(_SNAPSHOT_SOURCES)]
