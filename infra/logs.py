@@ -12,7 +12,7 @@ import logging
 import re
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import structlog
@@ -81,6 +81,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     formatter = _RedactingFormatter(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    _bounded,
                     structlog.processors.format_exc_info if fmt == "json" else _identity,
                     renderer],
     )
@@ -91,7 +92,9 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Library chatter at INFO (every aiormq reconnect attempt, every pgserver step) drowns our own lines.
-    for noisy in ("aiormq", "aio_pika", "pgserver", "asyncio"):
+    # The MCP SDK logs every session it creates (its id included) and every failed request, quoting
+    # what the client sent: ours say what matters (toastmachine.mcp).
+    for noisy in ("aiormq", "aio_pika", "pgserver", "asyncio", "mcp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Python warnings (e.g. platformdirs' RuntimeDirWarning when pgserver starts without
     # XDG_RUNTIME_DIR) are printed raw to stderr by default: one stray non-JSON line breaks a JSON
@@ -102,6 +105,19 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
 #: Libraries whose failures while reconnecting are expected during an outage: our own lines say
 #: what happened (bus.connection_lost, writer.database_unavailable...), so theirs are one line each.
 _RECONNECTING_LIBRARIES = ("asyncpg", "aiormq", "aio_pika", "pamqp")
+
+
+#: Characters a log line's value keeps at most: a library's message quoting a client's 20 KB
+#: request (a resource URI, a Host header) is cut there, with its length said.
+MAX_LOG_VALUE = 2000
+
+
+def _bounded(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Cut every string value of ``event`` longer than :data:`MAX_LOG_VALUE` characters."""
+    for key, value in event.items():
+        if isinstance(value, str) and len(value) > MAX_LOG_VALUE:
+            event[key] = f"{value[:MAX_LOG_VALUE]}… ({len(value)} characters)"
+    return event
 
 
 class _RedactingFormatter(structlog.stdlib.ProcessorFormatter):

@@ -134,3 +134,29 @@ def test_mcp_settings_and_their_public_origin() -> None:
     assert Settings.from_env({}).mcp_cimd_allow_private is False  # refused unless a test says so
     with pytest.raises(ConfigError, match="TOASTMACHINE_MCP_CIMD_ALLOW_PRIVATE must be 1 or 0"):
         Settings.from_env({"TOASTMACHINE_MCP_CIMD_ALLOW_PRIVATE": "maybe"})
+
+
+def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFixture[str]) -> None:
+    """A library's record quoting 20 KB a client sent (the MCP SDK's "Invalid Host header: ...") and
+    our own line with a long field are cut at MAX_LOG_VALUE characters, saying how long they were."""
+    import logging
+
+    import structlog
+
+    from infra.logs import MAX_LOG_VALUE, configure_logging, get_logger
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("json", "info")
+        logging.getLogger("mcp.server.transport_security").warning("Invalid Host header: %s", "H" * 20_000)
+        get_logger("toastmachine.test").info("test.long_field", value="V" * 20_000, short="kept")
+        err = capsys.readouterr().err
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        structlog.reset_defaults()
+    lines = [line for line in err.splitlines() if "Invalid Host header" in line or "test.long_field" in line]
+    assert len(lines) == 2, err[:500]
+    assert all(len(line) < MAX_LOG_VALUE + 1000 for line in lines)
+    assert "(20021 characters)" in lines[0] and "(20000 characters)" in lines[1] and '"short": "kept"' in lines[1]

@@ -271,6 +271,22 @@ async def test_redirect_uris_with_userinfo_and_oversized_oauth_bodies_are_refuse
         assert await front.db.pool.fetchval("select count(*) from oauth_clients") == before
 
 
+async def test_an_oversized_authorization_parameter_is_refused_without_being_quoted(front: Front) -> None:
+    """A 7,000-character client id or scope was quoted whole by the SDK's errors (the page, or a
+    redirect's error_description); past 2,048 characters it is refused with a fixed description."""
+    async with httpx.AsyncClient() as http:
+        client = await _register(http, front.base)
+        _, challenge = _pkce()
+        for extra in ({"client_id": "Z" * 7000}, {"scope": "toastmachine:read " + "Y" * 7000}):
+            r = await _authorize(http, front.base, extra.get("client_id", client["client_id"]), challenge,
+                                 **{k: v for k, v in extra.items() if k != "client_id"})
+            assert r.status_code == 400 and r.json() == {
+                "error": "invalid_request",
+                "error_description": f"{next(iter(extra))} is longer than 2048 characters"}, r.text[:300]
+            assert "ZZZZ" not in r.text and "YYYY" not in r.text and "location" not in r.headers
+        assert (await _authorize(http, front.base, client["client_id"], challenge)).status_code == 302
+
+
 async def test_wrong_resource_is_refused(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         client = await _register(http, front.base)
@@ -432,6 +448,24 @@ async def test_refresh_rotates_grace_retry_gets_same_pair_and_late_reuse_revokes
         headers = {**_MCP_HEADERS, "Authorization": f"Bearer {new['access_token']}"}
         assert (await http.post(front.base + "/mcp", json=_INIT, headers=headers)).status_code == 401
         assert (await _refresh(http, front.base, client_id, new["refresh_token"])).status_code == 400
+
+
+async def test_a_retry_within_the_grace_window_must_ask_the_scopes_the_first_exchange_got(front: Front) -> None:
+    """A refresh narrowed to read, then the old token presented again within the grace window asking
+    read and write: refused, not answered with the same pair labelled with a scope it does not
+    carry; the identical retry (read) still gets that pair."""
+    both = "toastmachine:read toastmachine:write"
+    async with httpx.AsyncClient() as http:
+        client_id, tokens = await _tokens(http, front.base, both)
+        assert tokens["scope"] == both
+        narrowed = await _refresh(http, front.base, client_id, tokens["refresh_token"], scope="toastmachine:read")
+        assert narrowed.status_code == 200 and narrowed.json()["scope"] == "toastmachine:read"
+        widened = await _refresh(http, front.base, client_id, tokens["refresh_token"], scope=both)
+        assert widened.status_code == 400 and widened.json()["error"] == "invalid_grant", widened.text
+        unscoped = await _refresh(http, front.base, client_id, tokens["refresh_token"])  # the old token's scopes
+        assert unscoped.status_code == 400 and unscoped.json()["error"] == "invalid_grant", unscoped.text
+        again = await _refresh(http, front.base, client_id, tokens["refresh_token"], scope="toastmachine:read")
+        assert again.status_code == 200 and again.json() == narrowed.json()
 
 
 async def test_revoked_and_expired_tokens_are_401(front: Front) -> None:

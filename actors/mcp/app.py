@@ -368,6 +368,13 @@ class _OutagePassing:
             raise _Outage(e) from None
 
 
+#: The authorization request's parameters (RFC 6749 §4.1.1, RFC 7636, RFC 8707) and the longest
+#: value each may have; no legitimate one comes near it (a client id metadata URL included).
+_AUTHORIZE_PARAMETERS = ("response_type", "client_id", "redirect_uri", "scope", "state", "code_challenge",
+                         "code_challenge_method", "resource")
+MAX_AUTHORIZE_PARAMETER = 2048
+
+
 class _Authorize:
     """The SDK's authorize handler (behind the per-address budget: :func:`_limited`), with ``iss``
     on its error redirects (:func:`with_issuer`), and a database outage answered 503 wherever it
@@ -383,6 +390,14 @@ class _Authorize:
 
     async def handle(self, request: Request) -> Response:
         params = request.query_params if request.method == "GET" else await request.form()
+        for name in _AUTHORIZE_PARAMETERS:
+            value = params.get(name)
+            if isinstance(value, str) and len(value) > MAX_AUTHORIZE_PARAMETER:
+                # The SDK's errors quote some of them (an unknown client id, an invalid scope, in a
+                # page or a redirect's error_description): bounded here, and not repeated.
+                return JSONResponse({"error": "invalid_request", "error_description":
+                                     f"{name} is longer than {MAX_AUTHORIZE_PARAMETER} characters"},
+                                    status_code=400, headers={"Cache-Control": "no-store"})
         client_id = params.get("client_id")
         if isinstance(client_id, str):
             refused = await self.store.prepare_document_client(client_id)

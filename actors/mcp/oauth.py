@@ -614,9 +614,16 @@ class OAuthStore:
                 await conn.execute(
                     "update oauth_tokens set rotated_at = now(), rotation_salt = $2 where token_hash = $1",
                     digest(refresh_token.token), salt)
-            elif (row["rotated_ago"] <= REFRESH_GRACE_SECONDS and row["rotation_salt"] is not None
-                  and sorted(scopes) == sorted(row["scopes"])):
-                salt = bytes(row["rotation_salt"])  # the identical retry: the same pair again
+            elif row["rotated_ago"] <= REFRESH_GRACE_SECONDS and row["rotation_salt"] is not None:
+                salt = bytes(row["rotation_salt"])
+                # The identical retry gets the same pair again: the scopes asked then, which the pair
+                # it derives was stored with (not the old token's: a first exchange may have narrowed
+                # them, and the pair would then be answered labelled with scopes it does not carry).
+                issued = await conn.fetchval(
+                    "select scopes from oauth_tokens where token_hash = $1 and kind = 'refresh'",
+                    digest(_derived_secret("tmr_", refresh_token.token, salt, b"refresh")))
+                if issued is None or sorted(scopes) != sorted(issued):
+                    raise TokenError("invalid_grant", "refresh token was already used")
             else:
                 raise TokenError("invalid_grant", "refresh token was already used")
             # A narrower scope is allowed (the SDK checked it is a subset); the family keeps its grant.
