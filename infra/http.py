@@ -9,6 +9,7 @@ text: no stack trace, SQL message or secret ever reaches a client.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -223,6 +224,9 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
     return False
 
 
+_QVALUE = re.compile(r"0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?")
+
+
 def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:
     """Pick one of ``produced`` (in server preference order) for an ``Accept`` header, or None.
 
@@ -243,11 +247,11 @@ def negotiate(accept: str | None, produced: tuple[str, ...]) -> str | None:
         for param in fields[1:]:
             name, _, value = param.partition("=")
             if name.strip().lower() == "q":
-                try:
-                    q = float(value.strip())
-                except ValueError:
-                    q = 0.0
-        ranges.append((main, sub, min(max(q, 0.0), 1.0)))
+                # RFC 9110 §12.4.2's qvalue, nothing looser (float() takes NaN, inf, 1e-3...):
+                # anything else counts as 0, "not acceptable".
+                value = value.strip()
+                q = float(value) if _QVALUE.fullmatch(value) else 0.0
+        ranges.append((main, sub, q))
     best: tuple[float, int, int] | None = None
     chosen: str | None = None
     for preference, media in enumerate(produced):

@@ -982,7 +982,8 @@ async def test_negotiation_matrix(stack: Stack) -> None:
             _error(refused, 406, "not_acceptable")
             assert refused.headers.get("Vary") == "Accept"
         for unsupported in ("image/png", "text/plain", "application/xml", "application/json;q=0", "image/*",
-                            "text/csv, application/pdf"):
+                            "text/csv, application/pdf", "application/json;q=NaN", "*/*;q=inf",
+                            "application/json;q=1.5", "application/json;q=-1"):
             refused = await _get(stack, path, accept=unsupported)
             _error(refused, 406, "not_acceptable")
             assert refused.headers.get("Vary") == "Accept", (path, unsupported)
@@ -1099,6 +1100,15 @@ async def test_tags_relationships_and_corpus_have_pages(stack: Stack) -> None:
         for href in ("/", "/conversations", "/messages", "/agents", "/tags", "/relationships", "/corpus", "/guide"):
             assert f'<a href="{href}">' in page, href
         assert '<link rel="icon" href="/favicon.svg" type="image/svg+xml">' in page
+
+
+async def test_routes_without_parameters_refuse_an_unknown_one(stack: Stack) -> None:
+    """As every read does: /guide, /me and /openapi.json took ``?x=1`` silently."""
+    agent = await stack.register("paramless")
+    for path in ("/guide", "/me", "/openapi.json", "/corpus"):
+        reply = await _get(stack, path + "?x=1", headers=agent.headers())
+        assert reply.status == 400 and reply.body["error"]["field"] == "x", (path, reply.body)
+        assert (await _get(stack, path, headers=agent.headers())).status == 200, path
 
 
 async def test_corpus_and_openapi_refuse_what_they_cannot_produce(stack: Stack) -> None:

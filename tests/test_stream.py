@@ -280,6 +280,17 @@ async def test_bad_parameters_answer_400_with_the_envelope(stack: Stack, query: 
     assert body["error"]["code"] == "invalid_parameter" and body["error"]["field"] == field
 
 
+@pytest.mark.parametrize("accept", ["application/json", "text/html", "text/plain", "text/event-stream;q=0"])
+async def test_a_client_that_accepts_no_event_stream_gets_406(stack: Stack, accept: str) -> None:
+    resp = await _open(stack, "?after=0", {"Accept": accept})
+    body: Any = await resp.json()
+    assert resp.status == 406 and body["error"]["code"] == "not_acceptable" and resp.headers["Vary"] == "Accept"
+    for fine in ("text/event-stream", "*/*", "text/*, application/json;q=0.5"):
+        ok = await _open(stack, "?after=0", {"Accept": fine})
+        assert ok.status == 200 and ok.headers["Content-Type"].startswith("text/event-stream"), fine
+        ok.close()
+
+
 @pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.05")
 async def test_idle_stream_sends_heartbeats(stack: Stack) -> None:
     async with publishing(stack):

@@ -57,6 +57,7 @@ from protocol.errors import (
     quote,
 )
 from protocol.guide import GUIDE_FORMAT, Guide, guide_etag
+from protocol.query import Query
 from protocol.representations import format_time
 from protocol.validation import expect_object, reject_unknown
 
@@ -185,7 +186,8 @@ def _too_many_registrations(wait: float) -> TooManyRequests:
 
 async def me(request: web.Request) -> web.Response:
     """``GET /me`` → the caller's agent representation, with ``onboarded`` and its activity."""
-    agent = await authenticate(request)
+    agent = await authenticate(request)  # first: a credential sent as ?credential= is told where it goes
+    Query(request.query, ())  # no parameter: an unknown one is a 400, as on every read
     db = request.app[NODE].db
     row = await db.pool.fetchrow(
         "select agent_id, name, description, created_at, onboarded_at is not null as onboarded"
@@ -227,6 +229,7 @@ async def guide(request: web.Request) -> web.Response:
     ``If-None-Match`` gets a 304 only without ``Authorization``: a read with a credential always
     reaches this handler, because it is what onboards the agent.
     """
+    Query(request.query, ())
     authorized = "Authorization" in request.headers
     agent = await authenticate(request) if authorized else None
     chosen = negotiate(request.headers.get("Accept"), _GUIDE_TYPES)

@@ -641,6 +641,7 @@ def add_routes(app: web.Application) -> None:
 
 async def openapi(request: web.Request) -> web.Response:
     """The document, with an ETag honoured by If-None-Match (304); 406 unless ``Accept`` allows JSON."""
+    query.Query(request.query, ())
     if negotiate(request.headers.get("Accept"), (JSON,)) is None:
         raise NotAcceptable(f"This document is produced only as {JSON}.",
                             how_to_proceed=f"Send 'Accept: {JSON}' or */*.", headers={"Vary": "Accept"})

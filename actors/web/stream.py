@@ -44,10 +44,10 @@ from actors.web.context import NODE
 from actors.web.export import check_lineage, identity_headers, node_identity
 from actors.web.slots import ClientSlots
 from infra.db.pool import Target
-from infra.http import single_header
+from infra.http import negotiate, single_header
 from infra.logs import get_logger
 from infra.metrics import Metrics
-from protocol.errors import ServiceUnavailable
+from protocol.errors import NotAcceptable, ServiceUnavailable
 from protocol.query import Query, check_within_head
 from protocol.representations import EVENT_TYPES, RELATIONSHIP_ASSERTED, RELATIONSHIP_RETRACTED
 
@@ -295,11 +295,20 @@ class _Stream:
             pass
 
 
+#: The one media type the stream answers.
+EVENT_STREAM = "text/event-stream"
+
+
 async def stream(request: web.Request) -> web.StreamResponse:
     """``GET /corpus/stream``."""
     node = request.app[NODE]
     corpus_id, lineage = node_identity(request)
     after, field, filters = _parse(request)
+    if negotiate(request.headers.get("Accept"), (EVENT_STREAM,)) is None:
+        raise NotAcceptable(f"This route answers only {EVENT_STREAM}.",
+                            how_to_proceed=f"Send 'Accept: {EVENT_STREAM}' (as EventSource does) or */*; "
+                                           "for the history as JSON lines, use /corpus/changes.jsonl.",
+                            headers={"Vary": "Accept"})
     check_lineage(request, corpus_id, lineage)
     if request.method == "HEAD":
         # The headers a GET would start with, and no body (RFC 9110): no slot taken, nothing followed.
