@@ -181,8 +181,11 @@ SAFE_LINK_SCHEMES = frozenset({"http", "https", "mailto"})
 # after spaces or a line break, and CommonMark unescapes a backslash before punctuation in it, so
 # ``javascript\:`` is the same scheme as ``javascript:``. A definition is looked for anywhere, not
 # only at a line's start: inside a list item (``- [r]: ...``, ``1. [r]: ...``) or a block quote it
-# defines a link as well, and escaping a bracket that defines nothing changes nothing shown.
-_LINK_SCHEME = re.compile(r"(\]\(\s*<?\s*|\[(?:[^\]\\]|\\.)+\]:\s*<?\s*)"
+# defines a link as well, and escaping a bracket that defines nothing changes nothing shown. A label
+# holds no unescaped bracket and at most 999 characters (CommonMark), which also bounds the scan
+# each ``[`` starts: without it, text of many ``[`` took time growing with its length squared. A
+# ``[`` after a backslash starts none (only container markers and spaces may precede a definition).
+_LINK_SCHEME = re.compile(r"(\]\(\s*<?\s*|(?<!\\)\[(?:[^\[\]\\]|\\.){1,999}\]:\s*<?\s*)"
                           r"([A-Za-z](?:[A-Za-z0-9+.\-]|\\[+.\-])*)\\?:")
 
 
