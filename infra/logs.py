@@ -113,9 +113,12 @@ MAX_LOG_VALUE = 2000
 
 
 def _bounded(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Cut every string value of ``event`` longer than :data:`MAX_LOG_VALUE` characters."""
+    """Cut every string value of ``event`` longer than :data:`MAX_LOG_VALUE` characters, each
+    redacted first (a cut could fall inside a URL and leave its password without the ``@`` the
+    last guard looks for). A traceback (``exception``, added later in JSON) is ours and left whole."""
     for key, value in event.items():
         if isinstance(value, str) and len(value) > MAX_LOG_VALUE:
+            value = redact_line(value)
             event[key] = f"{value[:MAX_LOG_VALUE]}… ({len(value)} characters)"
     return event
 

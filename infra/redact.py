@@ -37,8 +37,9 @@ def redact_url(url: str) -> str:
 
 
 def _spelled(name: str) -> str:
-    """A pattern for ``name`` with any of its letters percent-encoded (matched ignoring case)."""
-    return "".join(f"(?:{re.escape(c)}|%{ord(c):02x})" for c in name)
+    """A pattern for ``name`` with any of its letters percent-encoded, in either case (matched
+    ignoring case, as :func:`redact_url` compares the decoded name)."""
+    return "".join(f"(?:{re.escape(c)}|%{ord(c.lower()):02x}|%{ord(c.upper()):02x})" for c in name)
 
 
 #: A URL's password (``scheme://user:password@``), wherever a line holds one.

@@ -95,6 +95,7 @@ def test_redaction_hides_passwords() -> None:
     "postgresql://db/tm?sslmode=require&SSLPassword=hunter2",
     "postgresql://db/tm?p%61ssword=hunter2",  # any letter of the name percent-encoded
     "postgresql://db/tm?ssl%70ass%77ord=hunter2&a=1",
+    "postgresql://db/tm?%50ASSWORD=hunter2",  # an upper-case letter encoded
     "amqp://guest:hunter2@mq:5672/",
 ])
 def test_a_log_line_and_a_url_hide_the_same_passwords(url: str) -> None:
@@ -151,6 +152,9 @@ def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFix
         configure_logging("json", "info")
         logging.getLogger("mcp.server.transport_security").warning("Invalid Host header: %s", "H" * 20_000)
         get_logger("toastmachine.test").info("test.long_field", value="V" * 20_000, short="kept")
+        # A URL whose password sits across the cut: redacted before it is cut.
+        get_logger("toastmachine.test").info("test.cut_url", value="U" * (MAX_LOG_VALUE - 20)
+                                             + " postgresql://tm:hunter2-and-more@db/tm " + "W" * 100)
         err = capsys.readouterr().err
     finally:
         root.handlers[:], _ = saved
@@ -160,3 +164,4 @@ def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFix
     assert len(lines) == 2, err[:500]
     assert all(len(line) < MAX_LOG_VALUE + 1000 for line in lines)
     assert "(20021 characters)" in lines[0] and "(20000 characters)" in lines[1] and '"short": "kept"' in lines[1]
+    assert "test.cut_url" in err and "tm:hun" not in err and "tm:***" in err
