@@ -209,6 +209,19 @@ class Backoff:
     stable_after: float = 60.0
 
 
+class _Unbuilt(Actor):
+    """Stands for an actor whose factory failed at a restart: its start fails with that error."""
+
+    name = "unbuilt"
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def setup(self) -> None:
+        raise self.error
+
+
 class Supervisor:
     """Starts actors, restarts any that crash (with backoff, logging why), stops them all in order.
 
@@ -298,11 +311,15 @@ class Supervisor:
                 self._misconfigure(name, e)
                 return
             except Exception as e:  # noqa: BLE001 - reported, never left to end this task unseen
-                # A factory builds the actor from the settings alone: what fails there fails again
-                # at every restart, so it is a configuration error (this task ending silently would
-                # leave the process waiting for ever on an actor that never starts).
-                self._misconfigure(name, ConfigError(f"{name} could not be set up: {type(e).__name__}: {e}"))
-                return
+                # (Ending this task silently would leave the process waiting for ever on an actor
+                # that never starts.) At the first start, what the factory meets is the settings'
+                # doing (a path that cannot be a directory): a configuration error. At a restart the
+                # same settings worked before, so it is a passing failure (a file briefly
+                # unreadable): a crash like any other, restarted after the back-off.
+                if health.restarts == 0:
+                    self._misconfigure(name, ConfigError(f"{name} could not be set up: {type(e).__name__}: {e}"))
+                    return
+                actor = _Unbuilt(e)
             self.actors[name] = actor
             try:
                 await actor.start()

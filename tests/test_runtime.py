@@ -204,3 +204,26 @@ async def test_a_factory_failing_otherwise_is_a_configuration_error_not_a_silent
             await sup.start(wait=3600)
     assert sup.health["broken"].state is ActorState.FAILED
     await sup.stop(grace=1)
+
+
+async def test_a_factory_failing_at_a_restart_is_a_crash_restarted_after_the_back_off() -> None:
+    """The same settings built the actor once: a factory failing when it is rebuilt after a crash
+    (a key file briefly unreadable) is retried after the back-off, not the process stopped."""
+    Flaky.starts = Flaky.closes = 0
+    healthy = asyncio.Event()
+    builds = 0
+
+    def build() -> Actor:
+        nonlocal builds
+        builds += 1
+        if builds == 2:  # the first rebuild, after the first crash
+            raise PermissionError(13, "Permission denied")
+        return Flaky(1, healthy)
+
+    sup = Supervisor({"flaky": build}, Backoff(initial=0.01, maximum=0.02))
+    await sup.start(wait=10)
+    async with asyncio.timeout(10):
+        await healthy.wait()
+    assert builds == 3 and sup.misconfigured is None
+    assert sup.health["flaky"].restarts == 2
+    await sup.stop(grace=1)
