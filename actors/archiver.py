@@ -209,7 +209,8 @@ class StoreLacksArchive(ConfigError, ProcessFatal):
     Archiving on there would split the history between stores: the next segment written where
     every earlier one is missing, a manifest naming objects the store never held, and the right
     store left with a gap that no later segment fills. Checked at each activation, before anything
-    is put; the process stops with exit 2, as for a configuration error."""
+    is put (the create-only probe included), and once more after the store back-off before giving
+    up; the process then stops with exit 2, as for a configuration error."""
 
 
 class SigningKeyMismatch(ConfigError, ProcessFatal):
@@ -541,6 +542,10 @@ class Archiver(Actor):
         self._wake = asyncio.Event()
         self._consumer: Consumer | None = None
         self._probed = False
+        self._store_checked = False
+        #: The key of a published checkpoint found absent once this activation (see
+        #: :meth:`_check_store_holds_published`).
+        self._absent_once: str | None = None
         self._key_published = False  # public-key.txt written and synced (and the parent lineage read)
         #: Set once this process's sweep of leftover staging files is done (it runs beside the
         #: rounds: on a large directory store, walking every folder takes a while).
@@ -684,12 +689,19 @@ class Archiver(Actor):
             try:
                 stored = await self.store.get(key)
             except ObjectNotFound:
+                if self._absent_once != key:
+                    # Looked at again after the back-off before stopping for good: a store may answer
+                    # "not found" for a moment (a replica catching up, a share just remounted).
+                    self._absent_once = key
+                    raise ArchiveStoreError(f"archive store ({self.store.description}): {key}, published by "
+                                            "this corpus, was not found; looking again before stopping") from None
                 raise StoreLacksArchive(
                     f"the archive store ({self.store.description}) lacks {key}, the {stream.name.lower()} "
                     f"checkpoint at tree size {last['tree_size']} this corpus's database records as published: "
                     "it is not the store this corpus archives to, or objects were lost from it. Every archiver "
                     "of a corpus must use the same TOASTMACHINE_ARCHIVE_URL (a shared S3 bucket, not each "
                     "machine's DATA_DIR); 'toastmachine archive verify' lists what a store lacks.") from None
+            self._absent_once = None
             note = last["note"].encode()
             if stored != note:
                 raise ForkAlarm(key, hashlib.sha256(stored).hexdigest(), hashlib.sha256(note).hexdigest())
@@ -741,6 +753,7 @@ class Archiver(Actor):
         self._batch_now.clear()  # each activation starts with small batches again
         self._recorded_store_error = _UNRECORDED  # a predecessor may have left a failure recorded
         self._pages = []  # built again from the database, from this activation's first publish
+        self._store_checked = False  # the store checked again: another process may have written since
         self.log.info("archiver.active", store=self.store.description)
         backoff = self.store_backoff[0]
         loop = asyncio.get_running_loop()
@@ -750,9 +763,12 @@ class Archiver(Actor):
         while not self._stop_requested.is_set():
             self._wake.clear()
             try:
+                if not self._store_checked:
+                    # At each activation, before anything is put (the probe included).
+                    await guarded(session, self._check_store_holds_published(session.conn))
+                    self._store_checked = True
                 if not self._probed:
                     await self.store.probe_create_only()  # CreateOnlyIgnored propagates: refused
-                    await guarded(session, self._check_store_holds_published(session.conn))
                     if self._sweeping is None:
                         self._sweeping = asyncio.ensure_future(self._sweep_staging())
                     self._probed = True

@@ -47,9 +47,11 @@ async def _archived(db: Database, store: ArchiveStore, messages: int = 20) -> Ar
     return archived
 
 
-async def _verify(db: Database | None, store: ArchiveStore, archived: Archived, *, pinned: bool = True) -> VerifyReport:
+async def _verify(db: Database | None, store: ArchiveStore, archived: Archived, *, pinned: bool = True,
+                  archiver_store: bool = True) -> VerifyReport:
     return await verify_archive(StoreSource(store), archived.lineage,
-                                trusted=archived.key.verifier() if pinned else None, db=db)
+                                trusted=archived.key.verifier() if pinned else None, db=db,
+                                archiver_store=archiver_store)
 
 
 def _kinds(report: VerifyReport) -> set[str]:
@@ -93,6 +95,15 @@ async def test_a_store_behind_what_the_database_records_published_is_not_mere_la
     report = await _verify(db, store, archived)
     assert _kinds(report) == {"archive_behind_database"}, report.to_json()
     assert f"size {archived.size + added.changes} as published" in report.findings[0].message
+    # A copy named by --from-store (a replica, a backup) may lag: lag it is, as before.
+    copy = await _verify(db, store, archived, archiver_store=False)
+    assert copy.ok and copy.database is not None and copy.database.lag_events == added.changes
+    # A store whose checkpoints could not be read is reported as such, not also as behind.
+    await obstore.delete_async(raw_store(store), f"{archived.lineage}/public-key.txt")
+    unread = await _verify(db, store, archived, pinned=False)
+    assert "archive_behind_database" not in _kinds(unread) and "missing_public_key" in _kinds(unread), \
+        unread.to_json()
+    await store.put(f"{archived.lineage}/public-key.txt", (archived.key.verifier().text() + "\n").encode())
     await db.pool.execute("delete from archive_checkpoints")
     await db.pool.execute(record, archived.size, bytes(32))
     assert _kinds(await _verify(db, store, archived)) == {"checkpoint_mismatch"}

@@ -181,7 +181,10 @@ def cmd_archive_verify(settings: Settings, args: argparse.Namespace) -> int:
             lineage = await choose_lineage(db)
             if lineage is None:
                 return _nothing(store.description)
-            return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db)).to_json()
+            # The configured store is the archiver's: it holds every checkpoint the database records
+            # as published. A store named by --from-store may be a copy (a replica, a backup) that lags.
+            return (await verify_archive(StoreSource(store), lineage, trusted=trusted, db=db,
+                                         archiver_store=args.from_store is None)).to_json()
 
     try:
         report = asyncio.run(go())

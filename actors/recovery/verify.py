@@ -117,15 +117,17 @@ class _RowComparer:
 
 
 async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: VerifierKey | None = None,
-                         db: Target | None = None) -> VerifyReport:
+                         db: Target | None = None, archiver_store: bool = False) -> VerifyReport:
     """Check the archive of ``lineage`` in ``source`` (against ``trusted``, else its own public key)
-    and, when ``db`` is given, compare it with that database's change history."""
+    and, when ``db`` is given, compare it with that database's change history. ``archiver_store``:
+    ``source`` is the store the archiver writes to (not a copy, which may lag), so it must hold
+    every checkpoint the database records as published (``archive_behind_database``)."""
     walk = ArchiveWalk(source, lineage, trusted=trusted)
     findings: list[Finding] = []
     comparison: DatabaseComparison | None = None
     # Read before the store is: the archiver puts a checkpoint (and syncs it) before it records it
     # published, so the store read after this holds at least what it says, however busy the archiver.
-    recorded = await _recorded_checkpoint(db) if db is not None else None
+    recorded = await _recorded_checkpoint(db) if db is not None and archiver_store else None
     await walk.open()
     if db is None:
         async for _ in walk.segments():
@@ -153,8 +155,12 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
                 comparer.skip(manifest.archived_through or 0)
             await comparer.finish()
     walk.finish()
-    if recorded is not None and comparison is not None and comparison.lineage == str(lineage):
-        newest = walk.summary.latest_checkpoint or {"size": 0, "root": None}
+    unread = any(f.kind in _UNREAD for f in walk.findings)
+    newest = walk.summary.latest_checkpoint
+    if (recorded is not None and comparison is not None and comparison.lineage == str(lineage)
+            and newest is not None and not unread):
+        # (Compared only when the store's checkpoints were read: one that could not be is reported
+        # as such, and would make the store look behind when it is not.)
         size, root = recorded
         if size > newest["size"]:
             findings.append(Finding(
@@ -178,6 +184,10 @@ async def verify_archive(source: ArchiveSource, lineage: uuid.UUID, *, trusted: 
         # Checking nothing proves nothing: an empty, absent or wholly unreadable archive fails.
         all_findings.insert(0, Finding("nothing_verified", "no segment of the archive could be checked"))
     return VerifyReport(walk.summary, comparison, all_findings, private)
+
+
+#: Findings that say the walk could not read part of the store (the checkpoints among it).
+_UNREAD = frozenset({"unreadable_object", "unlistable_store", "missing_public_key", "public_key_mismatch"})
 
 
 async def _recorded_checkpoint(db: Target) -> tuple[int, str] | None:
