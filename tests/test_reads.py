@@ -756,6 +756,10 @@ async def test_search_phrases_and_exclusions_with_common_words(stack: Stack) -> 
         assert [h["message"]["id"] for h in found["items"]] == [e["message"]["id"] for e in expected], q
     found = await _ok(stack, "/search", params={"q": "retry -- once"})  # as "retry once": best match first
     assert found["items"][0]["message"]["id"] == retry["message"]["id"]
+    # A dash inside a phrase is part of it, not an exclusion (found by review).
+    version = await stack.message(alice, cid, content="ships in version - 2 soon")
+    found = await _ok(stack, "/search", params={"q": '"version - 2"'})
+    assert [h["message"]["id"] for h in found["items"]] == [version["message"]["id"]]
 
 
 async def test_search_refuses_queries_that_would_rank_everything_and_stops_one_that_runs_too_long(
@@ -769,6 +773,7 @@ async def test_search_refuses_queries_that_would_rank_everything_and_stops_one_t
     await stack.conversation(alice, "words", content="retry the thing or not")
     for q, why in (("-timeout -retry", "no word to match"), ('-"the thing" !!! -or', "no word to match"),
                    ("- zzz", "no word to match"), ("-  - - zzz", "no word to match"),
+                   ("(-zzz)", "no word to match"), ("!-zzz", "no word to match"), ("(- zzz)", "no word to match"),
                    (" ".join(f"w{i}" for i in range(17)), "at most 16")):
         reply = await _get(stack, "/search", params={"q": q})
         assert reply.status == 400 and reply.body["error"]["field"] == "q", (q, reply.body)

@@ -218,14 +218,18 @@ async def related(pool: asyncpg.Pool, message_id: str, limit: int) -> list[async
 # --- search ---------------------------------------------------------------------------------------
 
 _Q_MAX = 500
-#: Both dictionaries' queries, OR'ed: 'english' matches other forms of a word, 'simple' every word as
-#: written (stop-words too), mirroring the two halves of messages.search (migration 0004).
-_TSQUERY = "(websearch_to_tsquery('english', {0}) || websearch_to_tsquery('simple', {0}))"
-#: A query with a phrase or an exclusion is matched word for word only: 'english' drops stop-words,
-#: so its half of `"on the table"` would be just `table`, and of `retry -the` just `retry`; OR'ed
-#: with the exact half, it would match what the user excluded or did not ask for.
-_TSQUERY_EXACT = "websearch_to_tsquery('simple', {0})"
-_EXACT_OPERATORS = re.compile(r'"|(?:^|\s)-\S')
+#: The query as PostgreSQL reads it word for word ('simple': every word as written, stop-words too).
+_SIMPLE = "websearch_to_tsquery('simple', {0})"
+#: Both dictionaries' queries OR'ed ('english' also matches other forms of a word), mirroring the two
+#: halves of messages.search (migration 0004); unless the query excludes a word, as PostgreSQL
+#: reads it (a '!' in its reading: ``-word``, ``- word``, ``(-word)`` alike), when it is matched
+#: word for word only: 'english' drops stop-words, so its half of ``retry -the`` would be just
+#: ``retry``, and OR'ed with the exact half it would match what the user excluded.
+_TSQUERY = ("(case when strpos(" + _SIMPLE + "::text, '!') > 0 then " + _SIMPLE
+            + " else websearch_to_tsquery('english', {0}) || " + _SIMPLE + " end)")
+#: A quoted phrase is matched word for word: 'english''s half of ``"on the table"`` would be
+#: just ``table``.
+_TSQUERY_EXACT = _SIMPLE
 #: What the index turns into spaces (see migration 0004), done to the query too.
 _NOT_TAGS = str.maketrans("<>", "  ")
 
@@ -238,46 +242,35 @@ SEARCH_TIMEOUT = 10.0
 #: A query's words: a quoted phrase (its words counted one by one) or a run of non-spaces.
 _SEARCH_TOKEN = re.compile(r'-?"[^"]*"?|\S+')
 _WORD = re.compile(r"\w+")
-#: A run of dashes (spaces between them allowed) at the start of a term: PostgreSQL's
-#: websearch_to_tsquery negates the next term once per dash, detached or not (``- x`` is ``!x``,
-#: ``-- x`` is ``!!x``, that is ``x``).
-_DASHES = re.compile(r"(?:(?<=\s)|^)(?:-\s*)+(?=[^\s-])")
-
-
-def _attached_exclusions(text: str) -> str:
-    """``text`` with every run of dashes before a term written as the one attached dash it means,
-    or none (an even number): the same query to PostgreSQL, in the form the word count and the
-    choice of dictionaries read (``- zzz`` alone would otherwise pass as a wanted word, and its
-    stemming half match every message)."""
-    return _DASHES.sub(lambda m: "-" if m.group().count("-") % 2 else "", text)
+_ONLY_EXCLUSIONS = ("'q' has no word to match: a query of only exclusions (-word) would match every message.",
+                    "Add a word to look for, e.g. q=retry -timeout.")
 
 
 def _check_search_words(text: str) -> None:
-    """400 when ``text`` excludes words but asks for none (it would match every message and rank
-    them all) or has more than :data:`MAX_SEARCH_WORDS` words."""
-    words, wanted = 0, False
+    """400 when ``text`` has more than :data:`MAX_SEARCH_WORDS` words (before any statement: the
+    cost is the ranking's). A query of only exclusions is told apart by PostgreSQL's own reading
+    of it, in the search's statement (:func:`plan_search`)."""
+    words = 0
     tokens = _SEARCH_TOKEN.findall(text)
     for i, token in enumerate(tokens):
-        excluded = token.startswith("-")
         count = len(_WORD.findall(token))
         if not count or (token.lower() == "or" and 0 < i < len(tokens) - 1):
             continue  # punctuation, or the OR operator between two terms
         words += count
-        wanted = wanted or not excluded
     if words > MAX_SEARCH_WORDS:
         raise invalid("q", f"'q' has {words} words; a search takes at most {MAX_SEARCH_WORDS}.",
                       "Search for the few words that matter most, and narrow with author, kind or tag.")
-    if words and not wanted:  # (no word at all, only punctuation: a query that matches nothing)
-        raise invalid("q", "'q' has no word to match: a query of only exclusions (-word) would match every message.",
-                      'Add a word to look for, e.g. q=retry -timeout.')
 
 
 def plan_search(q: Query) -> Plan:
-    """``GET /search``: matches of both dictionaries' queries, ranked, with the message filters."""
+    """``GET /search``: matches of both dictionaries' queries, ranked, with the message filters.
+
+    The statement also answers ``only_exclusions``: PostgreSQL reads the query as nothing but
+    excluded words (its ``querytree`` is ``T``, which would match and rank every message); then it
+    matches nothing, and :func:`search` answers 400."""
     text = q.text("q", max_length=_Q_MAX, strip=True)
     if text is None:
         raise invalid("q", "'q' is required.", 'Send q=<words>, e.g. q=retry "operation token" -timeout.')
-    text = _attached_exclusions(text)
     _check_search_words(text)
     where, values = _Where(), {"q": text}
     _message_filters(q, where, values, alias="m")
@@ -286,14 +279,18 @@ def plan_search(q: Query) -> Plan:
     # planner sees a stable expression of a parameter and searches the GIN index with it. Every
     # match is ranked (that is what ordering by relevance costs); only the page's rows are joined
     # to their sequence, author and mentions.
-    template = _TSQUERY_EXACT if _EXACT_OPERATORS.search(text) else _TSQUERY
-    query_sql = template.format(where.param(text.translate(_NOT_TAGS)))
+    param = where.param(text.translate(_NOT_TAGS))
+    query_sql = (_TSQUERY_EXACT if '"' in text else _TSQUERY).format(param)
+    simple = _SIMPLE.format(param)
+    only_exclusions = f"(numnode({simple}) > 0 and querytree({simple}) = 'T')"
     where.add(f"m.search @@ {query_sql}")
+    where.add(f"not {only_exclusions}")
     sql = (f"with hits as (select m.id, m.created_at, ts_rank_cd(m.search, {query_sql}) as rank"
            f" from messages m{where.sql}),"
            f" page as (select * from hits order by rank desc, created_at desc, id"
            f" limit {where.param(limit + 1)} offset {where.param(offset)})"
-           f" select (select count(*) from hits) as total, page.rank, {rows.MESSAGE_COLUMNS}"
+           f" select (select count(*) from hits) as total, {only_exclusions} as only_exclusions,"
+           f" page.rank, {rows.MESSAGE_COLUMNS}"
            f" from (values (1)) as one left join page on true"
            f" left join messages m on m.id = page.id left join message_feed f on f.message_id = m.id"
            f" left join agents a on a.agent_id = m.author_id"
@@ -312,6 +309,8 @@ async def search(pool: asyncpg.Pool, q: Query) -> Listing:
                                  code="search_timeout",
                                  how_to_proceed="Search for rarer words, or narrow it with author, kind, tag "
                                                 "or conversation.") from None
+    if fetched and fetched[0]["only_exclusions"]:
+        raise invalid("q", *_ONLY_EXCLUSIONS)
     total = fetched[0]["total"] if fetched else 0
     page, more = _page([r for r in fetched if r["id"] is not None], plan.limit)
     items = [{"rank": round(float(r["rank"]), 6), "message": rows.message(r)} for r in page]
