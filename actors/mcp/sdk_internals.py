@@ -2,7 +2,8 @@
 
 The SDK offers no public way to count an agent's open sessions, to tell whether a session (or its
 standalone GET stream) is still there, or to end every session at shutdown, so the front reads its
-session manager's tables (:mod:`actors.mcp.app`, :mod:`actors.mcp.notify`, :mod:`actors.mcp.front`).
+session manager's tables (:mod:`actors.mcp.app`, :mod:`actors.mcp.notify`, :mod:`actors.mcp.front`);
+nor to look a tool up by name, or to answer the input-schema hook cheaply (:mod:`actors.mcp.server`).
 The dependency range lets pip install a later SDK release that may rename them; without this check
 that would surface as an ``AttributeError`` in the middle of a client's request (a 500, a
 notification silently lost). With it, the process refuses to start and says which SDK version
@@ -15,6 +16,7 @@ import importlib.metadata
 from typing import Any
 
 from mcp.server.lowlevel import Server as LowLevelServer
+from mcp.server.mcpserver import MCPServer
 from mcp.server.streamable_http import StreamableHTTPServerTransport
 
 from protocol.errors import ConfigError
@@ -37,6 +39,11 @@ def missing_internals(server: Any) -> list[str]:
         missing.append("StreamableHTTPServerTransport._request_streams (a dict)")
     if not callable(getattr(transport, "terminate", None)) or not hasattr(transport, "is_terminated"):
         missing.append("StreamableHTTPServerTransport.terminate() and .is_terminated")
+    if not callable(getattr(getattr(server, "_tool_manager", None), "get_tool", None)):
+        missing.append("MCPServer._tool_manager.get_tool()")
+    if not callable(getattr(MCPServer, "_tool_input_schema", None)):
+        # actors/mcp/server.py overrides it: under another name the override would be skipped silently.
+        missing.append("MCPServer._tool_input_schema()")
     if not isinstance(getattr(server, "_lowlevel_server", None), LowLevelServer):
         missing.append("MCPServer._lowlevel_server (a lowlevel.Server)")
     if not callable(getattr(LowLevelServer, "add_request_handler", None)):
