@@ -86,6 +86,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from actors.archive_ahead import Limits, ReadAhead, Rows, Start
+from actors.reads.archive import NEWEST_CHECKPOINT
 from infra.archive_keys import discard_generated
 from infra.archive_store import (
     ArchiveStore,
@@ -681,8 +682,7 @@ class Archiver(Actor):
         """:class:`StoreLacksArchive` unless the store holds, byte for byte, each stream's last
         checkpoint the database records as published (a different one is a :class:`ForkAlarm`)."""
         for stream, key_of in ((Stream.PUBLIC, checkpoint_key), (Stream.PRIVATE, private_checkpoint_key)):
-            last = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
-                                       "order by tree_size desc limit 1", int(stream))
+            last = await conn.fetchrow(NEWEST_CHECKPOINT, int(stream))
             if last is None:
                 continue
             key = key_of(self._lineage, last["tree_size"])

@@ -82,8 +82,7 @@ async def archive_status(target: Target, store: ArchiveStore | None, lineage: st
             "from archive_segments where stream = $1 order by segment_index desc limit $2) as recent "
             "order by segment_index", _PUBLIC, STATUS_SEGMENTS)
         count = await conn.fetchval("select count(*) from archive_segments where stream = $1", _PUBLIC)
-        checkpoint = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
-                                         "order by tree_size desc limit 1", _PUBLIC)
+        checkpoint = await conn.fetchrow(NEWEST_CHECKPOINT, _PUBLIC)
         head = await conn.fetchval("select coalesce(max(sequence), 0) from changes")
     marks = await watermarks(target)
     lag = await archive_lag(target, marks.verified_through)
@@ -104,15 +103,28 @@ async def archive_status(target: Target, store: ArchiveStore | None, lineage: st
     }
 
 
-async def archive_lag(target: Target, verified_through: int | None = None, cap: int = 100_000) -> int:
-    """Committed changes above the verified watermark (counted up to ``cap``)."""
+#: The newest checkpoint the archiver published of a stream ($1): its tree size, signed note and root.
+NEWEST_CHECKPOINT = ("select tree_size, note, root from archive_checkpoints where stream = $1 "
+                     "order by tree_size desc limit 1")
+#: Changes counted exactly at most by :func:`changes_after` (a count costs a scan of that many rows).
+LAG_CAP = 100_000
+
+
+async def changes_after(target: Target, after: int, cap: int = LAG_CAP) -> int:
+    """Committed changes with a sequence above ``after``, counted up to ``cap``: how far a
+    consumer of the history (the archiver, the publisher) is behind."""
     async with connection(target) as conn:
-        if verified_through is None:
+        return int(await conn.fetchval(
+            "select count(*) from (select 1 from changes where sequence > $1 limit $2) as behind", after, cap))
+
+
+async def archive_lag(target: Target, verified_through: int | None = None, cap: int = LAG_CAP) -> int:
+    """Committed changes above the verified watermark (counted up to ``cap``)."""
+    if verified_through is None:
+        async with connection(target) as conn:
             verified_through = int(await conn.fetchval(
                 "select coalesce((select verified_through from archive_watermarks where stream = 0), 0)"))
-        return int(await conn.fetchval(
-            "select count(*) from (select 1 from changes where sequence > $1 limit $2) as behind",
-            verified_through, cap))
+    return await changes_after(target, verified_through, cap)
 
 
 async def store_state(target: Target) -> dict[str, Any]:
@@ -210,8 +222,7 @@ async def inclusion_proof(target: Target, sequence: int, size: int | None, *,
     chunk = 1 << chunk_height
     async with connection(target) as conn:
         if size is None:
-            cp = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
-                                     "order by tree_size desc limit 1", _PUBLIC)
+            cp = await conn.fetchrow(NEWEST_CHECKPOINT, _PUBLIC)
         else:
             cp = await conn.fetchrow("select tree_size, note from archive_checkpoints where stream = $1 "
                                      "and tree_size = $2", _PUBLIC, size)

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.reads.archive import NEWEST_CHECKPOINT
 from actors.recovery.walk import ArchiveSource, ArchiveWalk, PrivateWalk, WalkSummary
 from infra.archive_store import ArchiveStoreError
 from infra.db import Target, connection
@@ -193,9 +194,8 @@ _UNREAD = frozenset({"unreadable_object", "unlistable_store", "missing_public_ke
 async def _recorded_checkpoint(db: Target) -> tuple[int, str] | None:
     """The size and root (hex) of the newest public checkpoint the database records as published."""
     async with connection(db) as conn:
-        row = await conn.fetchrow("select tree_size, encode(root, 'hex') as root from archive_checkpoints "
-                                  "where stream = 0 order by tree_size desc limit 1")
-    return None if row is None else (row["tree_size"], row["root"])
+        row = await conn.fetchrow(NEWEST_CHECKPOINT, 0)
+    return None if row is None else (row["tree_size"], bytes(row["root"]).hex())
 
 
 async def _has_private_stream(source: ArchiveSource, lineage: uuid.UUID) -> bool:

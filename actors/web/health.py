@@ -76,10 +76,6 @@ async def _archive_detail(db: Database) -> dict[str, Any]:
             "lag_events": lag, "store": store}
 
 
-#: Changes behind the publisher's cursor counted exactly up to this many.
-PUBLISHER_LAG_CAP = 100_000
-
-
 async def _publisher_detail(db: Database) -> dict[str, Any]:
     """The event publisher's progress as the database records it: its cursor, the committed changes
     after it (not yet on ``tm.events`` nor with the hubs: live followers wait for them), and whether
@@ -88,10 +84,7 @@ async def _publisher_detail(db: Database) -> dict[str, Any]:
     try:
         async with asyncio.timeout(CHECK_TIMEOUT):
             cursor = await read_cursor(db)
-            async with db.pool.acquire() as conn:
-                lag = int(await conn.fetchval(
-                    "select count(*) from (select 1 from changes where sequence > $1 limit $2) as behind",
-                    cursor, PUBLISHER_LAG_CAP))
+            lag = await archive_reads.changes_after(db, cursor)
             holder = await active_publisher(db)
     except Exception:  # noqa: BLE001 - the database check reports why
         return {"status": "unknown"}
