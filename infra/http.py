@@ -195,6 +195,12 @@ async def read_json(request: web.Request, *, allow_empty: bool = False) -> objec
         return {}
     if request.content_type != "application/json":
         raise UnsupportedMediaType()
+    if (request.charset or "utf-8").lower() not in ("utf-8", "utf8"):
+        # JSON is UTF-8 (RFC 8259 §8.1): a body announced as another charset would be read as
+        # something it says it is not.
+        raise UnsupportedMediaType("Writes must be sent as UTF-8 JSON.",
+                                   how_to_proceed="Send 'Content-Type: application/json' (or with "
+                                                  "charset=utf-8) and the body encoded in UTF-8.")
     # 400 if malformed; 422 past the nesting limit or for a number that cannot be stored exactly.
     return decode_json_body(body)
 

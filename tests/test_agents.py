@@ -124,11 +124,16 @@ async def test_a_body_that_is_not_an_object_is_400_invalid_body(client: TestClie
 
 
 async def test_register_needs_application_json(client: TestClient, db: Database) -> None:
-    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+    for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                    {"Content-Type": "application/json; charset=utf-16"},
+                    {"Content-Type": "application/json; charset=latin1"}):
         resp = await client.post("/register", data=b'{"name": "alice"}', headers=headers)
         assert resp.status == 415, headers
         _assert_error(await resp.json(), "unsupported_media_type")
     assert await db.pool.fetchval("select count(*) from agents") == 0
+    for fine in ("application/json; charset=utf-8", "application/json;charset=UTF-8"):
+        resp = await client.post("/register", data=b'{"name": "alice-%d"}' % len(fine), headers={"Content-Type": fine})
+        assert resp.status == 201, (fine, await resp.text())
 
 
 INVALID_FIELDS: list[tuple[dict[str, Any], str]] = [
