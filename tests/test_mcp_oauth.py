@@ -127,6 +127,16 @@ async def test_metadata_and_401_challenge(front: Front) -> None:
             assert r.json()["error"] == "invalid_token"
 
 
+async def test_an_unknown_route_or_method_is_a_json_envelope(front: Front) -> None:
+    """Starlette answers them in plain text; the MCP front answers JSON like everything else."""
+    async with httpx.AsyncClient() as http:
+        missing = await http.get(front.base + "/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        wrong = await http.delete(front.base + "/token")
+        assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+        assert "POST" in wrong.headers["allow"]
+
+
 async def test_bad_origin_is_403(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         _, tokens = await _tokens(http, front.base)

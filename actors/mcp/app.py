@@ -83,6 +83,7 @@ from infra.db.pool import Database
 from infra.logs import get_logger
 from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
 from infra.ratelimit import registration_budget
+from protocol.errors import ApiError, MethodNotAllowed, NotFound
 
 #: The server instructions the MCP front announces (both protocol revisions).
 INSTRUCTIONS = (
@@ -282,11 +283,28 @@ async def _unstorable(_request: Request, exc: Exception) -> Response:
                         status_code=400)
 
 
+async def _no_such_route(request: Request, exc: Exception) -> Response:
+    # Starlette's are plain text; this origin answers JSON like every other answer of ours.
+    status = getattr(exc, "status_code", 404)
+    if status == 405:
+        error: ApiError = MethodNotAllowed("This route does not take this method.",
+                                           how_to_proceed="Send one of the methods in the Allow header.",
+                                           headers=dict(getattr(exc, "headers", None) or {}))
+    else:
+        error = NotFound("No such route on the MCP front.",
+                         how_to_proceed="MCP clients connect to /mcp; OAuth metadata is at "
+                                        "/.well-known/oauth-authorization-server.")
+    return JSONResponse(error.envelope(), status_code=error.status, headers=error.headers)
+
+
 #: The OAuth routes' answers to a database outage (503, as every front answers it) and to a value
-#: the database cannot store (400), instead of Starlette's plain-text 500 and a logged traceback.
+#: the database cannot store (400), instead of Starlette's plain-text 500 and a logged traceback;
+#: an unknown route or method gets the JSON error envelope instead of Starlette's plain text.
 _OAUTH_EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
     **{error: _database_unavailable for error in DB_UNAVAILABLE_ERRORS},
     asyncpg.exceptions.DataError: _unstorable,
+    404: _no_such_route,
+    405: _no_such_route,
 }
 
 
