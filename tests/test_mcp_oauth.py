@@ -137,6 +137,17 @@ async def test_an_unknown_route_or_method_is_a_json_envelope(front: Front) -> No
         assert "POST" in wrong.headers["allow"]
 
 
+async def test_a_repeated_authorization_header_is_refused(front: Front) -> None:
+    async with httpx.AsyncClient() as http:
+        _, tokens = await _tokens(http, front.base)
+        bearer = f"Bearer {tokens['access_token']}"
+        twice = httpx.Headers([*_MCP_HEADERS.items(), ("Authorization", bearer), ("Authorization", "Bearer other")])
+        r = await http.post(front.base + "/mcp", json=_INIT, headers=twice)
+        assert r.status_code == 400 and r.json()["error"] == "invalid_request", r.text
+        once = await http.post(front.base + "/mcp", json=_INIT, headers={**_MCP_HEADERS, "Authorization": bearer})
+        assert once.status_code == 200
+
+
 async def test_bad_origin_is_403(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         _, tokens = await _tokens(http, front.base)

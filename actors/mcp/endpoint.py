@@ -167,6 +167,12 @@ class McpEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = setting_headers(send, _MCP_HEADERS)
+        if sum(1 for k, _ in scope.get("headers", ()) if k.lower() == b"authorization") > 1:
+            # Which of two bearer tokens the client meant is not ours to guess (the SDK takes the
+            # first): refused as the HTTP API refuses a repeated credential (RFC 6750 §3.1).
+            await _send_json(sending, 400, {"error": "invalid_request",
+                                            "error_description": "Authorization was sent more than once"})
+            return
         try:
             authenticated = await self.backend.authenticate(HTTPConnection(scope))
         except DB_UNAVAILABLE_ERRORS as e:  # the token could not be looked up: retry, not a 500
