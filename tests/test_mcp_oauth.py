@@ -148,6 +148,24 @@ async def test_a_repeated_authorization_header_is_refused(front: Front) -> None:
         assert once.status_code == 200
 
 
+async def test_client_registration_reads_json_as_the_http_api_does(front: Front) -> None:
+    """A registration body that is not application/json, or names a key twice, or holds NaN, is
+    refused (400 invalid_client_metadata) and registers nothing; the SDK took them all."""
+    async with httpx.AsyncClient() as http:
+        before = await front.db.pool.fetchval("select count(*) from oauth_clients")
+        body = b'{"redirect_uris": ["http://127.0.0.1:9/cb"], "token_endpoint_auth_method": "none"'
+        for content, kind in ((body + b"}", "text/plain"), (body + b"}", None),
+                              (body + b', "client_name": "x", "client_name": "y"}', "application/json"),
+                              (body + b', "x": NaN}', "application/json")):
+            headers = {"content-type": kind} if kind else {}
+            r = await http.post(front.base + "/register", content=content, headers=headers)
+            assert r.status_code == 400 and r.json()["error"] == "invalid_client_metadata", (kind, r.text)
+        assert await front.db.pool.fetchval("select count(*) from oauth_clients") == before
+        ok = await http.post(front.base + "/register", content=body + b"}",
+                             headers={"content-type": "application/json; charset=utf-8"})
+        assert ok.status_code == 201, ok.text
+
+
 async def test_bad_origin_is_403(front: Front) -> None:
     async with httpx.AsyncClient() as http:
         _, tokens = await _tokens(http, front.base)

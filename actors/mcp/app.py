@@ -84,6 +84,7 @@ from infra.logs import get_logger
 from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
 from infra.ratelimit import registration_budget
 from protocol.errors import ApiError, MethodNotAllowed, NotFound
+from protocol.validation import decode_json_body
 
 #: The server instructions the MCP front announces (both protocol revisions).
 INSTRUCTIONS = (
@@ -212,7 +213,7 @@ def build_app(settings: Settings, db: Database, *, tools: RegisterTools = regist
         # and JSON documents, bounded tighter than the SDK's 4 MiB.
         Route("/token", oauth_post(token.handle), methods=["POST", "OPTIONS"]),
         # Registrations share the per-address budget of /authorize: each adds a row that stays.
-        Route("/register", oauth_post(_limited(limiter, RegistrationHandler(store, options=registration).handle)),  # type: ignore[arg-type]
+        Route("/register", oauth_post(_limited(limiter, _strict_json(RegistrationHandler(store, options=registration).handle))),  # type: ignore[arg-type]
               methods=["POST", "OPTIONS"]),
         Route("/revoke", oauth_post(_PublicClientRevocation(store, authenticator).handle),  # type: ignore[arg-type]
               methods=["POST", "OPTIONS"]),
@@ -326,6 +327,29 @@ class _Front:
             await self.mcp(scope, receive, send)
         else:
             await self.rest(scope, receive, send)
+
+
+def _strict_json(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` (the SDK's client registration) for a body that is ``application/json`` and JSON
+    as the HTTP API reads it (no repeated key, no NaN, numbers exact): the SDK reads anything
+    Python's parser takes, whatever the Content-Type (a repeated ``client_name`` kept its last value)."""
+
+    async def handle(request: Request) -> Response:
+        if request.method == "POST":
+            refusal: str | None = None
+            if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+                refusal = "the client metadata must be sent as application/json"
+            else:
+                try:
+                    decode_json_body(await request.body())  # the body stays cached for the SDK's read
+                except ApiError as e:
+                    refusal = f"the client metadata is not valid JSON: {e.message}"
+            if refusal is not None:
+                return JSONResponse({"error": "invalid_client_metadata", "error_description": refusal},
+                                    status_code=400, headers={"Cache-Control": "no-store"})
+        return await handler(request)
+
+    return handle
 
 
 def _limited(limiter: AuthorizeLimiter, handler: Callable[[Request], Awaitable[Response]],
