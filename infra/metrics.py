@@ -50,29 +50,31 @@ class Metrics:
         self.stream_refused = Counter(
             "toastmachine_stream_refused", "SSE streams refused by a concurrency cap, by cap.",
             ["cap"], registry=self.registry)
-        # The archive as the database records it, set by a web node at each scrape: the archiver
-        # process serves no HTTP, so in a Procfile deployment these are where its progress is seen.
-        self.corpus_archive_verified = Gauge(
-            "toastmachine_corpus_archive_verified_through", "Highest change sequence in a verified archive "
-            "segment, as the database records it (NaN: the database did not answer).", registry=self.registry)
-        self.corpus_archive_lag = Gauge(
-            "toastmachine_corpus_archive_lag_events", "Committed changes not yet in a verified archive segment, "
-            "as the database records them (counted exactly up to a bound, then the sequence difference).",
-            registry=self.registry)
-        self.corpus_archive_store_up = Gauge(
-            "toastmachine_corpus_archive_store_up", "1 while the active archiver's store answered it last, 0 "
-            "while it fails (from archiver_store_state).", registry=self.registry)
-        # The publisher likewise: its cursor, how far the history is ahead of it, and whether any
-        # process holds its lock (a stopped publisher leaves writes committed but never followed).
-        self.corpus_publisher_cursor = Gauge(
-            "toastmachine_corpus_publisher_cursor", "The event publisher's cursor: every change up to it is "
-            "confirmed on tm.events (NaN: the database did not answer).", registry=self.registry)
-        self.corpus_publisher_lag = Gauge(
-            "toastmachine_corpus_publisher_lag_events", "Committed changes after the publisher's cursor, not yet "
-            "published (counted up to 100,000).", registry=self.registry)
-        self.corpus_publisher_active = Gauge(
-            "toastmachine_corpus_publisher_active", "1 while some process holds the publisher lock, 0 while none "
-            "does (no change is published then).", registry=self.registry)
+        # The archive and the publisher as the database records them, set by a web node at each
+        # scrape: the archiver and publisher processes serve no HTTP, so in a Procfile deployment
+        # these are where their progress is seen (a stopped publisher leaves writes committed but
+        # never followed).
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(f"toastmachine_corpus_{name}", documentation, registry=self.registry)
+
+        self.corpus_archive_verified = gauge(
+            "archive_verified_through", "Highest change sequence in a verified archive segment, as the database "
+            "records it (NaN: the database did not answer).")
+        self.corpus_archive_lag = gauge(
+            "archive_lag_events", "Committed changes not yet in a verified archive segment, as the database "
+            "records them (counted exactly up to a bound, then the sequence difference).")
+        self.corpus_archive_store_up = gauge(
+            "archive_store_up", "1 while the active archiver's store answered it last, 0 while it fails (from "
+            "archiver_store_state).")
+        self.corpus_publisher_cursor = gauge(
+            "publisher_cursor", "The event publisher's cursor: every change up to it is confirmed on tm.events "
+            "(NaN: the database did not answer).")
+        self.corpus_publisher_lag = gauge(
+            "publisher_lag_events", "Committed changes after the publisher's cursor, not yet published "
+            "(counted up to 100,000).")
+        self.corpus_publisher_active = gauge(
+            "publisher_active", "1 while some process holds the publisher lock, 0 while none does (no change is "
+            "published then).")
         self.registry.register(_LiveCollector(bus, actors))
 
     def set_corpus_archive(self, detail: Mapping[str, Any]) -> None:
