@@ -544,8 +544,8 @@ class Archiver(Actor):
         self._consumer: Consumer | None = None
         self._probed = False
         self._store_checked = False
-        #: The key of a published checkpoint found absent once this activation (see
-        #: :meth:`_check_store_holds_published`).
+        #: The key of the published checkpoint last found absent, until it is found again (see
+        #: :meth:`_check_store_holds_published`: absent twice in a row, a back-off apart, stops it).
         self._absent_once: str | None = None
         self._key_published = False  # public-key.txt written and synced (and the parent lineage read)
         #: Set once this process's sweep of leftover staging files is done (it runs beside the

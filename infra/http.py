@@ -44,14 +44,6 @@ CLIENT_ADDRESS: web.RequestKey[Address | None] = web.RequestKey("client_address"
 #: The status of a streamed answer whose last byte was sent (set by :func:`delivered`).
 DELIVERED: web.RequestKey[int] = web.RequestKey("delivered", int)
 
-
-async def delivered(request: web.Request, response: web.StreamResponse) -> None:
-    """End a streamed ``response`` (``write_eof``) and record it delivered: a client that closes
-    the connection once it has the last byte (as curl does) makes aiohttp cancel the handler while
-    it still tidies up (a transaction to end, a connection to give back); that is counted as the
-    status sent, not as a client gone before its answer."""
-    await response.write_eof()
-    request[DELIVERED] = response.status
 #: Seconds a request body may take to arrive (TOASTMACHINE_HTTP_READ_TIMEOUT); unset: no deadline.
 READ_TIMEOUT: web.AppKey[float] = web.AppKey("read_timeout", float)
 #: The status recorded for a request whose client left before the answer (nginx's convention):
@@ -64,6 +56,15 @@ class ClientGone(Exception):
 
     Deliberately not an OSError: the middleware must not take it for the database going away.
     """
+
+
+async def delivered(request: web.Request, response: web.StreamResponse) -> None:
+    """End a streamed ``response`` (``write_eof``) and record it delivered: a client that closes
+    the connection once it has the last byte (as curl does) makes aiohttp cancel the handler while
+    it still tidies up (a transaction to end, a connection to give back); that is counted as the
+    status sent, not as a client gone before its answer."""
+    await response.write_eof()
+    request[DELIVERED] = response.status
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
