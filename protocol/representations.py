@@ -29,8 +29,9 @@ def now_ms() -> datetime:
 
 def format_time(moment: datetime) -> str:
     """ISO 8601 in UTC with milliseconds and a ``Z``: ``2026-11-30T23:59:59.123Z``."""
-    utc = moment.astimezone(UTC)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S.") + f"{utc.microsecond // 1000:03d}Z"
+    # isoformat is C all the way (strftime was a noticeable share of a write's CPU in the writer)
+    # and pads the year to four digits, as ISO 8601 asks; only "+00:00" becomes "Z".
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def author(agent_id: str, name: str) -> dict[str, str]:

@@ -46,7 +46,7 @@ from typing import Any
 import orjson
 
 from infra.db import CorpusIdentity, Database
-from infra.db.pool import connection
+from infra.db.pool import connection, transaction
 from infra.logs import get_logger
 from infra.ratelimit import Gcra, retry_after_seconds
 from protocol import corpus
@@ -179,8 +179,7 @@ class CorpusStore:
         batch is then committed); rule violations of single commands are outcomes, not exceptions.
         """
         state = _Batch(outcomes=[None] * len(batch))
-        async with connection(self.db) as conn, conn.transaction():
-            await conn.execute(_KEYED_PLANS)
+        async with connection(self.db) as conn, transaction(conn, _KEYED_PLANS):
             if self.write_budget is not None:
                 await self._lock_budgets(conn, state, batch)
             fresh: list[int] = []
