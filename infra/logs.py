@@ -96,6 +96,9 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
     # what the client sent: ours say what matters (toastmachine.mcp).
     for noisy in ("aiormq", "aio_pika", "pgserver", "asyncio", "mcp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Its DNS-rebinding check warns with the refused Host or Origin header quoted, raw; the answer
+    # it gives is logged by toastmachine.mcp.endpoint (mcp.transport_refused) without the value.
+    logging.getLogger("mcp.server.transport_security").setLevel(logging.ERROR)
     # Python warnings (e.g. platformdirs' RuntimeDirWarning when pgserver starts without
     # XDG_RUNTIME_DIR) are printed raw to stderr by default: one stray non-JSON line breaks a JSON
     # log pipeline. Route them through the handler above as records of the "py.warnings" logger.

@@ -173,7 +173,18 @@ async def test_bad_origin_is_403(front: Front) -> None:
         ok = await http.post(front.base + "/mcp", json=_INIT, headers={**headers, "Origin": front.base})
         assert ok.status_code == 200, ok.text
         r = await http.post(front.base + "/mcp", json=_INIT, headers={**headers, "Origin": "https://evil.example"})
-        assert r.status_code == 403
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+        assert "evil.example" not in r.text
+        # The SDK's other transport refusals come as the same JSON envelope, not its plain text.
+        r = await http.post(front.base + "/mcp", json=_INIT, headers={**headers, "Host": "rebind.example"})
+        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", r.text
+        assert r.headers["content-type"] == "application/json" and "rebind.example" not in r.text
+        r = await http.post(front.base + "/mcp", content=orjson.dumps(_INIT),
+                            headers={**headers, "Content-Type": "text/plain"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_type", r.text
+        r = await http.post(front.base + "/mcp", content=b"[" * (5 << 20), headers=headers)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text
+        assert r.headers["server"] == "ToastMachine" and r.headers["cache-control"] == "no-store"
 
 
 # --- PKCE, redirect and resource rules ----------------------------------------------------------------
@@ -299,7 +310,7 @@ async def test_redirect_uris_with_userinfo_and_oversized_oauth_bodies_are_refuse
         big = b'{"redirect_uris": ["' + b"https://app.example/" + b"a" * (80 << 10) + b'"]}'
         for path in ("/register", "/token", "/revoke"):
             r = await http.post(front.base + path, content=big, headers={"content-type": "application/json"})
-            assert r.status_code == 413, (path, r.status_code, r.text[:200])
+            assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", (path, r.text[:200])
 
         async def chunks() -> Any:  # no Content-Length: counted as it arrives
             for i in range(0, len(big), 8192):

@@ -64,7 +64,14 @@ from actors.mcp import wire
 from actors.mcp.admission import AuthorizeLimiter
 from actors.mcp.client_documents import DocumentFetcher
 from actors.mcp.consent import ConsentPage
-from actors.mcp.endpoint import SERVER_HEADER, McpEndpoint, SessionBound, SetHeaders
+from actors.mcp.endpoint import (
+    OAUTH_PLAIN_REFUSALS,
+    SERVER_HEADER,
+    McpEndpoint,
+    SessionBound,
+    SetHeaders,
+    json_refusals,
+)
 from actors.mcp.grants import declare_tool_scope, require_scope, tool_scopes
 from actors.mcp.oauth import (
     SCOPE_READ,
@@ -326,7 +333,8 @@ class _Front:
         if scope["type"] == "http" and scope["path"] == "/mcp":
             await self.mcp(scope, receive, send)
         else:
-            await self.rest(scope, receive, send)
+            await self.rest(scope, receive, json_refusals(send, scope["method"], OAUTH_PLAIN_REFUSALS)
+                            if scope["type"] == "http" else send)
 
 
 def _strict_json(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

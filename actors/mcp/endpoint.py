@@ -48,7 +48,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infra.logs import get_logger
 from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
-from protocol.errors import ApiError
+from protocol.errors import (
+    ApiError,
+    Forbidden,
+    MethodNotAllowed,
+    NotAcceptable,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 from protocol.validation import decode_json_body
 
 #: Seconds a client refused a new session is told to wait (Retry-After).
@@ -81,6 +88,62 @@ def setting_headers(send: Send, headers: Headers) -> Send:
         if message["type"] == "http.response.start":
             kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in names]
             message = {**message, "headers": [*kept, *headers]}
+        await send(message)
+
+    return sending
+
+
+#: The SDK's own refusals, plain text or bodyless (transport security, body limit, the 2026-07-28
+#: transport's method and Accept checks), as the JSON error envelope every other answer of this
+#: origin uses. Their reason is known from the status alone: nothing of the request is echoed.
+_PLAIN_REFUSALS: dict[int, ApiError] = {
+    400: UnsupportedMediaType("MCP messages must be sent as application/json.",
+                              how_to_proceed="POST JSON-RPC with 'Content-Type: application/json'.",
+                              status=400, code="invalid_content_type"),
+    403: Forbidden("The Origin header names a site this MCP server does not serve (DNS-rebinding protection).",
+                   code="origin_not_allowed",
+                   how_to_proceed="Connect from this server's own origin, or without an Origin header."),
+    405: MethodNotAllowed("/mcp does not take this method.",
+                          how_to_proceed="Send one of the methods in the Allow header."),
+    406: NotAcceptable("/mcp answers application/json and text/event-stream only.",
+                       how_to_proceed="Send 'Accept: application/json, text/event-stream'."),
+    413: PayloadTooLarge("The request body is too large for this MCP route.",
+                         how_to_proceed="Send a smaller body."),
+    421: ApiError("The Host header does not name this MCP server (DNS-rebinding protection).",
+                  status=421, code="misdirected_request",
+                  how_to_proceed="Connect through the server's public URL (TOASTMACHINE_MCP_PUBLIC_URL)."),
+}
+
+
+#: The same for the OAuth routes, where a plain 400 is not the transport's Content-Type check.
+OAUTH_PLAIN_REFUSALS = {status: error for status, error in _PLAIN_REFUSALS.items() if status != 400}
+
+
+def json_refusals(send: Send, method: str, refusals: Mapping[int, ApiError] = _PLAIN_REFUSALS) -> Send:
+    """``send`` with a plain-text or bodyless 4xx turned into the JSON error envelope (the status and
+    the other headers kept), its message from ``refusals`` by status. Answers that are already JSON
+    (or HTML: the consent page), and every answer to HEAD, pass as they are."""
+    replacing: bytes | None = None
+
+    async def sending(message: Message) -> None:
+        nonlocal replacing
+        if message["type"] == "http.response.start":
+            status = message.get("status", 200)
+            headers = message.get("headers", ())
+            content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+            if 400 <= status < 500 and method != "HEAD" and (not content_type or content_type.startswith(b"text/plain")):
+                error = refusals.get(status) or ApiError(
+                    "The MCP transport refused this request.", status=status, code="refused",
+                    how_to_proceed="Check the request against the MCP Streamable HTTP transport.")
+                log.info("mcp.transport_refused", status=status, code=error.code)
+                replacing = orjson.dumps(error.envelope())
+                kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
+                message = {**message, "headers": [*kept, (b"content-type", b"application/json"),
+                                                  (b"content-length", str(len(replacing)).encode())]}
+        elif message["type"] == "http.response.body" and replacing is not None:
+            if message.get("more_body", False):
+                return  # the plain text is dropped; the envelope goes with its last part
+            message, replacing = {"type": "http.response.body", "body": replacing}, None
         await send(message)
 
     return sending
@@ -166,7 +229,7 @@ class McpEndpoint:
         self.sessions = sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending = setting_headers(send, _MCP_HEADERS)
+        sending = setting_headers(json_refusals(send, scope["method"]), _MCP_HEADERS)
         if sum(1 for k, _ in scope.get("headers", ()) if k.lower() == b"authorization") > 1:
             # Which of two bearer tokens the client meant is not ours to guess (the SDK takes the
             # first): refused as the HTTP API refuses a repeated credential (RFC 6750 §3.1).
