@@ -138,8 +138,9 @@ def test_mcp_settings_and_their_public_origin() -> None:
 
 
 def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFixture[str]) -> None:
-    """A library's record quoting 20 KB a client sent (the MCP SDK's "Invalid Host header: ...") and
-    our own line with a long field are cut at MAX_LOG_VALUE characters, saying how long they were."""
+    """A library's record quoting 20 KB a client sent (as the MCP SDK's transport warnings may) and
+    our own line with a long field are cut at MAX_LOG_VALUE characters, saying how long they were;
+    the SDK's DNS-rebinding warning, which quotes the refused Host or Origin, is not logged at all."""
     import logging
 
     import structlog
@@ -150,7 +151,8 @@ def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFix
     saved = root.handlers[:], root.level
     try:
         configure_logging("json", "info")
-        logging.getLogger("mcp.server.transport_security").warning("Invalid Host header: %s", "H" * 20_000)
+        logging.getLogger("mcp.server.streamable_http").warning("Invalid Host header: %s", "H" * 20_000)
+        logging.getLogger("mcp.server.transport_security").warning("Invalid Origin header: %s", "rebind.example")
         get_logger("toastmachine.test").info("test.long_field", value="V" * 20_000, short="kept")
         # A URL whose password sits across the cut: redacted before it is cut.
         get_logger("toastmachine.test").info("test.cut_url", value="U" * (MAX_LOG_VALUE - 20)
@@ -165,3 +167,4 @@ def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFix
     assert all(len(line) < MAX_LOG_VALUE + 1000 for line in lines)
     assert "(20021 characters)" in lines[0] and "(20000 characters)" in lines[1] and '"short": "kept"' in lines[1]
     assert "test.cut_url" in err and "tm:hun" not in err and "tm:***" in err
+    assert "rebind.example" not in err
