@@ -140,6 +140,13 @@ class RequestBatch(BusMessage):
     TYPE: ClassVar[str] = "system.batch"
     members: list[dict[str, Any]]
 
+    def __post_init__(self) -> None:
+        # Anything but a list would fail only when the consuming bus splits it, past the codec,
+        # leaving the message unsettled: refused here, it is answered and dead-lettered like any
+        # undecodable message. (A member that is not an object is the bus's to refuse, alone.)
+        if not isinstance(self.members, list):
+            raise TypeError("'members' must be a list")
+
 
 @register
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,3 +156,7 @@ class BatchReply(BusMessage):
 
     TYPE: ClassVar[str] = "system.batch-reply"
     answers: list[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.answers, list):
+            raise TypeError("'answers' must be a list")

@@ -323,3 +323,57 @@ async def test_a_member_that_fails_brings_the_batch_back_and_every_member_is_ans
         assert ("flaky", True) in handled[3:]
     finally:
         await consumer.drain(1)
+
+
+async def test_a_batch_message_without_a_member_list_is_dead_lettered_and_the_consumer_goes_on(bus: Bus) -> None:
+    """``{"members": null}`` (or a number) decoded, then failed where the bus splits it, leaving the
+    message unsettled and holding a prefetch slot: a prefetch's worth of them stopped the consumer.
+    Now the codec refuses it: answered 400 ``undecodable_command``, dead-lettered with its reason."""
+    exchange = f"test.batch.{uuid.uuid4().hex[:8]}"
+    await bus.declare_exchange(exchange)
+    work = await bus.declare_queue(QueueSpec(f"test.batch.{uuid.uuid4().hex[:8]}", QueueKind.WORK))
+    await bus.bind(work, exchange, "#")
+    dead = await _spy(bus, DEAD_EXCHANGE, work)
+
+    async def handle(delivery: Delivery) -> None:
+        assert isinstance(delivery.message, Ping)
+        await bus.reply(delivery, Pong(nonce=delivery.message.nonce, responder="w"))
+
+    consumer = await bus.consume(work, handle, prefetch=2)
+    try:
+        for body in (b'{"members": null}', b'{"members": 7}', b'{"members": "x"}'):
+            reply = await bus.request_raw(exchange, "x.batch", RequestBatch.TYPE, body, timeout=WAIT)
+            assert isinstance(reply.message, ErrorReply), reply.message
+            assert (reply.message.status, reply.message.code) == (400, "undecodable_command")
+        letters = await _drain_raw(bus, dead, want=3)
+        assert [m.body for m in letters] == [b'{"members": null}', b'{"members": 7}', b'{"members": "x"}']  # type: ignore[attr-defined]
+        assert all("must be a list" in str(m.headers[DEAD_REASON_HEADER]) for m in letters)  # type: ignore[attr-defined]
+        # More than the prefetch of them went through: nothing is left holding a slot.
+        pong = await bus.request(exchange, "ping", Ping(nonce="after"), timeout=WAIT)
+        assert isinstance(pong.message, Pong) and pong.message.nonce == "after"
+    finally:
+        await consumer.drain(1)
+
+
+async def test_a_member_that_is_not_utf8_goes_alone_and_fails_no_other_request(bus: Bus) -> None:
+    """A batch embeds each member's body as JSON text: a raw body that is not UTF-8 cannot join one,
+    and made every member of its batch fail; it now travels alone (refused by the consumer's codec,
+    alone) while the other requests of the same turn are answered."""
+    exchange = f"test.batch.{uuid.uuid4().hex[:8]}"
+    await bus.declare_exchange(exchange)
+    work = await bus.declare_queue(QueueSpec(f"test.batch.{uuid.uuid4().hex[:8]}", QueueKind.WORK))
+    await bus.bind(work, exchange, "#")
+
+    async def handle(delivery: Delivery) -> None:
+        assert isinstance(delivery.message, Ping)
+        await bus.reply(delivery, Pong(nonce=delivery.message.nonce, responder="w"))
+
+    consumer = await bus.consume(work, handle, prefetch=10)
+    try:
+        good, bad = await asyncio.gather(
+            bus.request(exchange, "ping", Ping(nonce="good"), timeout=WAIT, batch_key="ping.batch"),
+            bus.request_raw(exchange, "ping", Ping.TYPE, b'{"nonce": "\xff"}', timeout=WAIT, batch_key="ping.batch"))
+        assert isinstance(good.message, Pong) and good.message.nonce == "good"
+        assert isinstance(bad.message, ErrorReply) and bad.message.code == "undecodable_command"
+    finally:
+        await consumer.drain(1)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
+import asyncpg
 import pytest
 
 from infra.db import Database
+from infra.db.pool import connection, transaction
 from protocol.errors import ConfigError, DatabaseUnavailable
 from tests.db_fixtures import with_database
 
@@ -54,3 +57,92 @@ async def test_check_passes_then_fails_after_close(db: Database) -> None:
     assert db.closed
     with pytest.raises(DatabaseUnavailable, match="closed"):
         await db.check()
+
+
+# --- transaction(): BEGIN and a prelude in one round trip (the writer's batches) -----------------
+
+_PRELUDE = "set local enable_hashjoin = off"
+
+
+async def _hashjoin(conn: object) -> str:
+    return await conn.fetchval("show enable_hashjoin")  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_transaction_commits_with_its_prelude_set_only_inside(db: Database) -> None:
+    await db.pool.execute("create table t (n int)")
+    async with connection(db) as conn:
+        async with transaction(conn, _PRELUDE):
+            assert conn.is_in_transaction() and await _hashjoin(conn) == "off"
+            await conn.execute("insert into t values (1)")
+        assert not conn.is_in_transaction() and await _hashjoin(conn) == "on"
+    assert await db.pool.fetchval("select count(*) from t") == 1
+
+
+async def test_transaction_rolls_back_and_the_blocks_own_error_surfaces(db: Database) -> None:
+    await db.pool.execute("create table t (n int primary key)")
+    async with connection(db) as conn:
+        with pytest.raises(asyncpg.UniqueViolationError):
+            async with transaction(conn, _PRELUDE):
+                await conn.execute("insert into t values (1)")
+                await conn.execute("insert into t values (1)")
+        assert not conn.is_in_transaction()
+        with pytest.raises(asyncpg.UndefinedObjectError):  # a prelude that fails: nothing left open
+            async with transaction(conn, "set local no_such_setting_at_all = 1"):
+                pass  # pragma: no cover - not reached
+        assert not conn.is_in_transaction()
+        await conn.execute("insert into t values (2)")  # the connection is fine
+    assert await db.pool.fetchval("select array_agg(n) from t") == [2]
+
+
+async def test_transaction_inside_a_callers_transaction_is_a_savepoint(db: Database) -> None:
+    await db.pool.execute("create table t (n int)")
+    async with connection(db) as conn, conn.transaction():
+        with pytest.raises(ZeroDivisionError):
+            async with transaction(conn, _PRELUDE):
+                await conn.execute("insert into t values (1)")
+                raise ZeroDivisionError
+        async with transaction(conn, _PRELUDE):
+            await conn.execute("insert into t values (2)")
+        assert conn.is_in_transaction()  # the caller's, still open
+    assert await db.pool.fetchval("select array_agg(n) from t") == [2]
+
+
+async def test_a_connection_killed_inside_a_transaction_surfaces_as_the_loss_not_a_pool_error(
+        db: Database, database_dsn: str) -> None:
+    """The server ends the session mid-transaction (pg_terminate_backend, a real fault): the caller
+    sees the error the block met, not one of the rollback that cannot be done (nor the pool's "released
+    back to the pool"), and a cancellation of a task in that state stays a cancellation."""
+
+    async def kill(pid: int) -> None:
+        other = await asyncpg.connect(database_dsn)
+        try:
+            await other.execute("select pg_terminate_backend($1)", pid)
+        finally:
+            await other.close()
+
+    raised: list[BaseException] = []
+    with pytest.raises(Exception) as err:
+        async with connection(db) as conn, transaction(conn, _PRELUDE):
+            await kill(conn.get_server_pid())
+            try:
+                await conn.fetchval("select pg_sleep(0.2)")
+            except Exception as e:
+                raised.append(e)
+                raise
+    assert raised and err.value is raised[0], (raised, err.value)  # not replaced by a rollback's error
+
+    entered = asyncio.Event()
+
+    async def parked() -> None:
+        async with connection(db) as conn, transaction(conn, _PRELUDE):
+            await kill(conn.get_server_pid())
+            entered.set()
+            await asyncio.Event().wait()  # until cancelled
+
+    task = asyncio.create_task(parked())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    assert await db.pool.fetchval("select 1") == 1  # the pool replaced what it lost

@@ -109,8 +109,9 @@ class GroupCommit:
     By default there is no linger: a worker takes whatever is waiting the moment it is free, so a
     lone command is applied at once and a burst is applied in few transactions. With ``linger`` > 0
     a worker waits up to that many seconds for a batch to fill before committing it. The queue holds at most
-    ``max_pending`` jobs; with ``max_pending`` = the consumer's prefetch, submit never waits (every job
-    belongs to an unsettled delivery), and if it ever had to, it would wait rather than grow.
+    ``max_pending`` jobs (the consumer's prefetch); a delivery can be a batch of up to 64 commands, so
+    a submit may wait for room: the queue waits rather than grows, and the members held back are
+    committed by the next transactions.
     """
 
     def __init__(self, store: CorpusStore, *, max_pending: int, max_batch: int = DEFAULT_MAX_BATCH,

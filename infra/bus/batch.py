@@ -47,11 +47,20 @@ class SendRequest(Protocol):
                  headers: dict[str, HeaderValue], correlation_id: str, timeout: float) -> Awaitable[None]: ...
 
 
+def _member_text(body: bytes) -> str | None:
+    """``body`` as the text a batch embeds, or None when it is not UTF-8."""
+    try:
+        return body.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 @dataclass(slots=True)
 class _Member:
     routing_key: str
     type_name: str
-    body: bytes
+    body: str  # the encoded body, as the JSON text a batch embeds
+    size: int  # its bytes, which the batch's bound counts
     headers: dict[str, HeaderValue]
     correlation_id: str
     deadline: float  # loop time
@@ -101,17 +110,24 @@ class RequestBatcher:
         all_headers = outgoing_headers({**deadline_header(timeout), **(headers or {})})
         correlation_id = uuid.uuid4().hex
         future = self._pending.add(correlation_id)
+        text = _member_text(body) if batch_key is not None and len(body) <= self.max_bytes else None
         try:
-            if batch_key is None or len(body) > self.max_bytes:
+            sent: asyncio.Future[None] | None = None
+            if text is None:
+                # Alone: unbatched, larger than a batch may carry, or not UTF-8 (a raw diagnostic
+                # body), which a batch cannot embed and which must fail no other request.
                 await self._send(exchange, routing_key, type_name, body, all_headers, correlation_id, timeout)
             else:
-                sent = self._join(exchange, batch_key, _Member(routing_key, type_name, body, all_headers,
-                                                               correlation_id, deadline))
-                # Shielded: one requester giving up must not cancel the publish of the others.
-                await asyncio.shield(sent)
-            # A reply lost to a reconnect is never seen: the request waits for its own deadline.
+                sent = self._join(exchange, batch_key or "", _Member(routing_key, type_name, text, len(body),
+                                                                     all_headers, correlation_id, deadline))
+            # Up to the request's own deadline, whatever the other members' are: the batch's
+            # publish (which may outlive it, as the latest member's deadline bounds it), then the
+            # reply; a reply lost to a reconnect is never seen, and the request waits as long.
             try:
                 async with asyncio.timeout_at(deadline):
+                    if sent is not None:
+                        # Shielded: one requester giving up must not cancel the publish of the others.
+                        await asyncio.shield(sent)
                     return await future
             except TimeoutError:
                 raise RequestTimeout(f"no reply to {type_name!r} on {exchange!r} within {timeout}s; "
@@ -124,7 +140,7 @@ class RequestBatcher:
         key = (exchange, batch_key, tuple(sorted(shared.items(), key=lambda kv: kv[0])))
         batch = self._open.get(key)
         if batch is not None and (len(batch.members) >= self.max_count
-                                  or batch.size + len(member.body) > self.max_bytes):
+                                  or batch.size + member.size > self.max_bytes):
             self._flush(key)
             batch = None
         if batch is None:
@@ -136,7 +152,7 @@ class RequestBatcher:
             self._open[key] = batch
             loop.call_soon(self._flush, key, batch)
         batch.members.append(member)
-        batch.size += len(member.body)
+        batch.size += member.size
         return batch.sent
 
     def _flush(self, key: tuple[Any, ...], expected: _OpenBatch | None = None) -> None:
@@ -155,12 +171,12 @@ class RequestBatcher:
         try:
             if len(batch.members) == 1:
                 m = batch.members[0]
-                await self._send(batch.exchange, m.routing_key, m.type_name, m.body, m.headers,
+                await self._send(batch.exchange, m.routing_key, m.type_name, m.body.encode(), m.headers,
                                  m.correlation_id, timeout)
             else:
                 type_name, body = encode_message(RequestBatch(members=[
                     {"correlation_id": m.correlation_id, "routing_key": m.routing_key, "type": m.type_name,
-                     "body": m.body.decode(), "headers": m.headers} for m in batch.members]))
+                     "body": m.body, "headers": m.headers} for m in batch.members]))
                 # The batch's deadline is its latest member's: a consumer skips a member by its own.
                 headers = {**batch.shared, DEADLINE_HEADER: latest.headers[DEADLINE_HEADER]}
                 correlation_id = uuid.uuid4().hex

@@ -80,7 +80,15 @@ async def handle_delivery(
             await _dead_letter(delivery, str(e), log)
             return
         if isinstance(delivery.message, RequestBatch):
-            await _handle_batch(delivery, delivery.message, handler, queue=queue, log=log, reply=reply)
+            try:
+                await _handle_batch(delivery, delivery.message, handler, queue=queue, log=log, reply=reply)
+            except Exception as e:  # noqa: BLE001 - see below
+                # A bug, not bad input (the codec refuses that): the batch must not stay unsettled,
+                # holding a prefetch slot until the channel closes. Its members already applied
+                # are answered from their idempotency records when their clients retry.
+                log.error("bus.batch_failed", queue=queue, error=type(e).__name__)
+                if not delivery.settled:
+                    await _dead_letter(delivery, f"the batch could not be handled: {type(e).__name__}", log)
             return
         await _run_handler(delivery, type_name, handler, queue=queue, log=log)
         if not delivery.settled:

@@ -279,22 +279,20 @@ async def transaction(conn: Any, prelude: str) -> AsyncIterator[None]:
 
     asyncpg's ``conn.transaction()`` sends ``BEGIN`` alone, so a transaction that must first set
     something pays a round trip more; for the writer's batches that was a few percent of a write's
-    CPU. A connection already inside a transaction (a test's) gets a savepoint as before.
+    CPU. Inside a transaction the caller opened (a test's connection) it is a savepoint instead.
+    Whatever ends the block (its own error, a cancellation, the connection lost) is what the caller
+    sees: a rollback that cannot be done is left to the pool, which resets or drops the connection.
     """
-    if conn.is_in_transaction():
-        async with conn.transaction():
-            await conn.execute(prelude)
-            yield
-        return
-    await conn.execute(f"begin; {prelude}")
+    nested = conn.is_in_transaction()
+    savepoint = "savepoint tm_transaction"
+    begin, rollback, commit = ((savepoint, f"rollback to {savepoint}; release {savepoint}", f"release {savepoint}")
+                               if nested else ("begin", "rollback", "commit"))
     try:
+        await conn.execute(f"{begin}; {prelude}")
         yield
     except BaseException:
-        # The block's own error is what the caller must see (a lost connection is then told apart
-        # from a broken rule); a connection the rollback cannot reach is reset or dropped by the
-        # pool when it comes back.
-        if not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await conn.execute("rollback")
+        with contextlib.suppress(Exception):  # is_closed() too raises on a proxy the pool took back
+            if not conn.is_closed() and conn.is_in_transaction():
+                await conn.execute(rollback)
         raise
-    await conn.execute("commit")
+    await conn.execute(commit)
