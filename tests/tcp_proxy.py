@@ -16,6 +16,8 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     async def up(self) -> None:
         """Listen (on the same port as before, after a :meth:`down`)."""
@@ -34,6 +36,15 @@ class TcpProxy:
             task.cancel()
         await asyncio.gather(*self._pipes, return_exceptions=True)
 
+    def freeze(self) -> None:
+        """A network that silently stops delivering (a partition, a host gone without a reset):
+        connections stay open, and what is sent either way is dropped, not delivered late."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        """Deliver again what is sent from now on."""
+        self._flowing.set()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
@@ -49,6 +60,8 @@ class TcpProxy:
     async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         try:
             while data := await source.read(65536):
+                if not self._flowing.is_set():
+                    continue  # dropped, as a partitioned network drops it
                 sink.write(data)
                 await sink.drain()
         except (OSError, asyncio.IncompleteReadError):

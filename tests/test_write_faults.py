@@ -27,6 +27,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
+from infra.bus.base import Bus
 from infra.db import Database, EmbeddedPostgres, start_embedded
 from tests import procs
 from tests.corpus_fixtures import STACK_ENV, Agent, running_stack
@@ -395,3 +396,62 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
     finally:
         for server in servers:
             await server.stop()
+
+
+async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the_writer_recovers(
+        bus: Bus, database_url: str) -> None:
+    """A real partition between the writer and PostgreSQL (a TCP hop that drops everything while the
+    connection stays open): a batch caught in it is abandoned after the writer's batch timeout and
+    its command answered 503 ``database_unavailable``, instead of holding the worker (and every
+    command behind it) for ever; once the network is back, the same token is applied exactly once."""
+    from urllib.parse import urlsplit
+
+    from actors.writer import CorpusWriter
+    from infra.bus.base import COMMANDS_EXCHANGE
+    from infra.db import apply_migrations, ensure_identity
+    from protocol.commands import WriteCommand, WriteResult
+    from protocol.messages import ErrorReply
+    from tests.tcp_proxy import TcpProxy
+
+    server = urlsplit(database_url)
+    proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
+    await proxy.up()
+    direct = await Database.connect(database_url, min_size=1, max_size=2)
+    through = await Database.connect(database_url.replace(server.netloc, f"{server.netloc.rpartition('@')[0]}"
+                                                                         f"@127.0.0.1:{proxy.port}"),
+                                     min_size=1, max_size=2)
+    try:
+        await apply_migrations(direct)
+        identity = await ensure_identity(direct, None, None)
+        author = uuid.uuid4()
+        await direct.pool.execute("insert into agents (agent_id, name, credential_hash) values ($1, 'cut', $2)",
+                                  author, author.bytes * 2)
+        writer = CorpusWriter(bus, node_id="w", db=through, identity=identity, batch_timeout=1.0)
+        await writer.start()
+
+        async def write(token: str) -> object:
+            command = WriteCommand(operation="conversation.create", target=None,
+                                   body={"subject": "across a partition", "content": "c"},
+                                   author_id=str(author), author_name="cut", token=token)
+            reply = await bus.request(COMMANDS_EXCHANGE, identity.scope.command_key(command.operation), command,
+                                      timeout=60, headers=identity.scope.headers())
+            return reply.message
+
+        try:
+            assert isinstance(await write("before"), WriteResult)
+            proxy.freeze()
+            cut = await write("during")
+            assert isinstance(cut, ErrorReply) and (cut.status, cut.code) == (503, "database_unavailable"), cut
+            proxy.thaw()
+            again = await write("during")  # the client's retry with the same token
+            assert isinstance(again, WriteResult) and again.status == 201, again
+            assert await direct.pool.fetchval(
+                "select count(*) from operations where token = 'during' and status = 201") == 1
+            assert await direct.pool.fetchval("select count(*) from changes") == 2
+        finally:
+            proxy.thaw()
+            await writer.stop(grace=2)
+    finally:
+        await through.close(timeout=5)
+        await direct.close()
+        await proxy.down()

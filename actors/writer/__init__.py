@@ -54,6 +54,12 @@ from protocol.routing import LEGACY_WRITER_QUEUE, CorpusScope
 DEFAULT_MAX_BATCH = 100
 #: Transactions one writer process runs at once (phase 1 of one overlaps phase 2 of another).
 DEFAULT_BATCH_WORKERS = 2
+#: Seconds a batch's transaction may take before it is abandoned and its commands are answered 503
+#: ``database_unavailable`` (retry with the same token: its commit may or may not have happened).
+#: A batch takes milliseconds; this bounds what a connection to PostgreSQL that stopped answering
+#: without closing (a network partition, a host gone without a reset) would otherwise hold for
+#: ever: the worker, and every command behind it. Its requesters gave up at COMMAND_TIMEOUT already.
+BATCH_TIMEOUT = 30.0
 
 log = get_logger("toastmachine.actors.writer")
 
@@ -115,10 +121,12 @@ class GroupCommit:
     """
 
     def __init__(self, store: CorpusStore, *, max_pending: int, max_batch: int = DEFAULT_MAX_BATCH,
-                 linger: float = 0.0, workers: int = DEFAULT_BATCH_WORKERS) -> None:
+                 linger: float = 0.0, workers: int = DEFAULT_BATCH_WORKERS,
+                 timeout: float = BATCH_TIMEOUT) -> None:
         self.store = store
         self.max_batch = max_batch
         self.linger = linger
+        self.timeout = timeout
         # One worker at a time gathers a batch; the others apply theirs meanwhile. Batches thus
         # form one after the other instead of splitting a burst between idle workers.
         self._gathering = asyncio.Lock()
@@ -158,7 +166,13 @@ class GroupCommit:
 
     async def _apply(self, batch: list[_Job]) -> None:
         try:
-            outcomes = await self.store.apply([job.prepared for job in batch])
+            async with asyncio.timeout(self.timeout):
+                outcomes = await self.store.apply([job.prepared for job in batch])
+        except TimeoutError:
+            log.error("writer.batch_timed_out", batch=len(batch), seconds=self.timeout,
+                      detail="PostgreSQL did not answer; the connection is dropped and the commands told to retry")
+            self._settle(batch, [(Outcome(error=_database_unavailable()), None)] * len(batch))
+            return
         except UNAVAILABLE_ERRORS as e:
             log.warning("writer.database_unavailable", error=repr(e), batch=len(batch))
             self._settle(batch, [(Outcome(error=_database_unavailable()), None)] * len(batch))
@@ -217,6 +231,7 @@ class CorpusWriter(ConsumerActor):
         linger: seconds to wait for a batch to fill (0: commit what is waiting at once).
         write_budget: each agent's corpus-wide write budget, enforced in every batch's transaction
             (:mod:`actors.writer.store`); None admits every command (the edge's limit alone).
+        batch_timeout: seconds a batch's transaction may take (see :data:`BATCH_TIMEOUT`).
     """
 
     name = "writer"
@@ -224,8 +239,9 @@ class CorpusWriter(ConsumerActor):
     def __init__(self, bus: Bus, *, node_id: str, identity: CorpusIdentity | None, db: Database | None = None,
                  identity_error: LineageMismatch | None = None,
                  prefetch: int = 64, max_batch: int = DEFAULT_MAX_BATCH, linger: float = 0.0,
-                 write_budget: Gcra | None = None) -> None:
+                 write_budget: Gcra | None = None, batch_timeout: float = BATCH_TIMEOUT) -> None:
         super().__init__(bus, prefetch=prefetch)
+        self._batch_timeout = batch_timeout
         self.node_id = node_id
         self.identity_error = identity_error
         self.scope = identity.scope if identity is not None else None
@@ -246,6 +262,7 @@ class CorpusWriter(ConsumerActor):
         await self._unbind_legacy_queue()
         if self._store is not None:
             self._commit = GroupCommit(self._store, max_pending=self.prefetch, max_batch=self._max_batch,
+                                       timeout=self._batch_timeout,
                                        linger=self._linger)
         await super().setup()
 

@@ -25,6 +25,12 @@ log = get_logger("toastmachine.db")
 
 #: Seconds :meth:`Database.check` waits for ``select 1`` by default.
 CHECK_TIMEOUT = 2.0
+#: Seconds a borrowed connection may take to go back to the pool (the cancellation of a statement
+#: the borrower gave up on, then the reset); past them the pool closes it. Unbounded, a server that
+#: stopped answering without closing the connection would hold the borrower for ever.
+RELEASE_TIMEOUT = 5.0
+#: Seconds :func:`transaction` gives a rollback after its block failed (it takes milliseconds).
+ROLLBACK_TIMEOUT = 2.0
 #: Seconds :meth:`Database.close` waits for borrowed connections to come back before terminating them.
 CLOSE_TIMEOUT = 10.0
 
@@ -212,7 +218,11 @@ async def connection(target: Target) -> AsyncIterator[Any]:
         try:
             yield conn
         finally:
-            await target.release(conn)
+            try:
+                await target.release(conn, timeout=RELEASE_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 - the pool terminated it; the block's outcome stands
+                log.warning("db.connection_dropped", error=type(e).__name__,
+                            detail="the connection could not be reset in time and was closed")
     else:
         yield target
 
@@ -291,8 +301,12 @@ async def transaction(conn: Any, prelude: str) -> AsyncIterator[None]:
         await conn.execute(f"{begin}; {prelude}")
         yield
     except BaseException:
-        with contextlib.suppress(Exception):  # is_closed() too raises on a proxy the pool took back
+        # is_closed() too raises, on a proxy the pool took back. Bounded: after a statement was
+        # cancelled, asyncpg holds the next one until the server confirms the cancellation, which a
+        # server that stopped answering never does (the pool then drops the connection).
+        with contextlib.suppress(Exception):
             if not conn.is_closed() and conn.is_in_transaction():
-                await conn.execute(rollback)
+                async with asyncio.timeout(ROLLBACK_TIMEOUT):
+                    await conn.execute(rollback)
         raise
     await conn.execute(commit)
