@@ -99,6 +99,7 @@ from bench.write import (
     content_of,
     private_vhost,
     quiet_product_logs,
+    run_bench,
     scratch_database,
     stop_process,
 )
@@ -547,16 +548,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - Windows
-        runner_factory = None
-    else:
-        runner_factory = uvloop.new_event_loop
-    try:
-        with asyncio.Runner(loop_factory=runner_factory) as runner:
-            sys.exit(runner.run(main()))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except asyncio.CancelledError:  # SIGTERM (see cancel_on_sigterm); everything was torn down
-        sys.exit(143)
+    run_bench(main)

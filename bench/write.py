@@ -53,11 +53,11 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -844,10 +844,12 @@ async def main() -> int:
     return 0 if report.consistent else 1
 
 
-if __name__ == "__main__":
-    # The client runs on uvloop, as the node's processes do: both baselines (asyncpg in this
-    # process) and the HTTP load get the same, lighter loop, so less of a latency figure is this
-    # process's own queueing.
+def run_bench(main: Callable[[], Coroutine[Any, Any, int]]) -> NoReturn:
+    """Run a benchmark's ``main`` and exit with its code (130 on Ctrl-C, 143 on SIGTERM).
+
+    The client runs on uvloop, as the node's processes do: the load and the baselines (asyncpg in
+    this process) get the same, lighter loop, so less of a latency figure is this process's own
+    queueing."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - Windows
@@ -861,3 +863,7 @@ if __name__ == "__main__":
         sys.exit(130)
     except asyncio.CancelledError:  # SIGTERM (see cancel_on_sigterm); everything was torn down
         sys.exit(128 + signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    run_bench(main)
