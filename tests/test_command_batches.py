@@ -377,3 +377,27 @@ async def test_a_member_that_is_not_utf8_goes_alone_and_fails_no_other_request(b
         assert isinstance(bad.message, ErrorReply) and bad.message.code == "undecodable_command"
     finally:
         await consumer.drain(1)
+
+
+async def test_a_member_waits_for_its_batchs_publish_only_up_to_its_own_deadline() -> None:
+    """A queue that refuses everything (full, reject-publish): the batch's publish retries until the
+    latest member's deadline. A member with an earlier one gives up at its own (outcome unknown: it
+    may yet be published), not at the other's; the member whose deadline bounds the publish gets the
+    publish's own failure (the broker refused it), not an unknown outcome."""
+    async with MemoryBus(max_queue_length=1) as bus:
+        await bus.declare_exchange("t.x")
+        work = await bus.declare_queue(QueueSpec("t.work", QueueKind.WORK))
+        await bus.bind(work, "t.x", "#")
+        await bus.publish("t.x", "c.fill", Ping(nonce="fill"))  # full, and nobody consumes
+
+        async def ask(timeout: float) -> tuple[str, float]:
+            started = time.monotonic()
+            try:
+                await bus.request("t.x", "c.ping", Ping(nonce=str(timeout)), timeout=timeout, batch_key="b")
+            except Exception as e:  # noqa: BLE001 - the type is what is checked
+                return type(e).__name__, time.monotonic() - started
+            return "answered", time.monotonic() - started  # pragma: no cover - nobody consumes
+
+        (short, short_took), (long, long_took) = await asyncio.gather(ask(1), ask(4))
+        assert short == "RequestTimeout" and short_took < 3, (short, short_took)
+        assert long != "RequestTimeout" and long_took >= 4, (long, long_took)

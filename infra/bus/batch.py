@@ -18,6 +18,7 @@ to a batch (e.g. an older consumer's ``undecodable_command``) answers all its me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ log = get_logger("toastmachine.bus.batch")
 DEFAULT_MAX_BATCH_COUNT = 64
 #: Most bytes of member bodies in one batch message (a larger request goes alone).
 DEFAULT_MAX_BATCH_BYTES = 1024 * 1024
+
+#: Seconds a member whose deadline bounds its batch's publish waits past it for that publish's outcome.
+PUBLISH_GRACE = 1.0
 
 # Headers each member carries itself; the others must agree for requests to share a batch.
 _OWN_HEADERS = (DEADLINE_HEADER, TRACE_HEADER)
@@ -74,6 +78,7 @@ class _OpenBatch:
     sent: asyncio.Future[None]
     members: list[_Member] = field(default_factory=list)
     size: int = 0
+    latest: float = 0.0  # the latest member deadline (loop time): what bounds the publish
 
 
 class RequestBatcher:
@@ -112,22 +117,17 @@ class RequestBatcher:
         future = self._pending.add(correlation_id)
         text = _member_text(body) if batch_key is not None and len(body) <= self.max_bytes else None
         try:
-            sent: asyncio.Future[None] | None = None
             if text is None:
                 # Alone: unbatched, larger than a batch may carry, or not UTF-8 (a raw diagnostic
                 # body), which a batch cannot embed and which must fail no other request.
                 await self._send(exchange, routing_key, type_name, body, all_headers, correlation_id, timeout)
             else:
-                sent = self._join(exchange, batch_key or "", _Member(routing_key, type_name, text, len(body),
-                                                                     all_headers, correlation_id, deadline))
-            # Up to the request's own deadline, whatever the other members' are: the batch's
-            # publish (which may outlive it, as the latest member's deadline bounds it), then the
-            # reply; a reply lost to a reconnect is never seen, and the request waits as long.
+                batch = self._join(exchange, batch_key or "", _Member(routing_key, type_name, text, len(body),
+                                                                      all_headers, correlation_id, deadline))
+                await self._published(batch, deadline, type_name, exchange, timeout)
+            # A reply lost to a reconnect is never seen: the request waits for its own deadline.
             try:
                 async with asyncio.timeout_at(deadline):
-                    if sent is not None:
-                        # Shielded: one requester giving up must not cancel the publish of the others.
-                        await asyncio.shield(sent)
                     return await future
             except TimeoutError:
                 raise RequestTimeout(f"no reply to {type_name!r} on {exchange!r} within {timeout}s; "
@@ -135,7 +135,26 @@ class RequestBatcher:
         finally:
             self._pending.discard(correlation_id)
 
-    def _join(self, exchange: str, batch_key: str, member: _Member) -> asyncio.Future[None]:
+    @staticmethod
+    async def _published(batch: _OpenBatch, deadline: float, type_name: str, exchange: str, timeout: float) -> None:
+        """Wait for ``batch``'s publish, up to the member's own ``deadline``: past it, with the publish
+        still retrying for a later member, the outcome is unknown (it may yet be published). The
+        publish gives up at the latest member's deadline; a member whose deadline that is waits for
+        its outcome, so a broker that stayed away is its error (503), not an unknown outcome."""
+        # Shielded: one requester giving up must not cancel the publish of the others.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(batch.sent)
+            return
+        if batch.latest <= deadline + PUBLISH_GRACE:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(PUBLISH_GRACE):
+                    await asyncio.shield(batch.sent)  # its error, if it failed, is the answer
+                return
+        raise RequestTimeout(f"{type_name!r} was not yet published to {exchange!r} within {timeout}s; "
+                             "the outcome is unknown")
+
+    def _join(self, exchange: str, batch_key: str, member: _Member) -> _OpenBatch:
         shared = {k: v for k, v in member.headers.items() if k not in _OWN_HEADERS}
         key = (exchange, batch_key, tuple(sorted(shared.items(), key=lambda kv: kv[0])))
         batch = self._open.get(key)
@@ -153,7 +172,8 @@ class RequestBatcher:
             loop.call_soon(self._flush, key, batch)
         batch.members.append(member)
         batch.size += member.size
-        return batch.sent
+        batch.latest = max(batch.latest, member.deadline)
+        return batch
 
     def _flush(self, key: tuple[Any, ...], expected: _OpenBatch | None = None) -> None:
         batch = self._open.get(key)
