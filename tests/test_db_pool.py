@@ -146,3 +146,35 @@ async def test_a_connection_killed_inside_a_transaction_surfaces_as_the_loss_not
         await task
     assert task.cancelled()
     assert await db.pool.fetchval("select 1") == 1  # the pool replaced what it lost
+
+
+async def test_a_cancellation_during_the_first_round_trip_leaves_no_transaction_for_the_pool(db: Database) -> None:
+    """Cancelled while ``BEGIN`` and its prelude are still on their way (asyncpg does not know yet
+    that a transaction is open): rolled back here, so the pool does not find one to reset (which
+    asyncpg reports as an error through the loop's exception handler)."""
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(str(context.get("message"))))
+    try:
+        started = asyncio.Event()
+
+        async def slow() -> None:
+            async with connection(db) as conn:
+                started.set()
+                async with transaction(conn, "select pg_sleep(5)"):
+                    pass  # pragma: no cover - cancelled before
+
+        task = asyncio.create_task(slow())
+        await started.wait()
+        async with asyncio.timeout(30):  # until the server runs it, seen from another connection
+            while not await db.pool.fetchval(
+                    "select count(*) from pg_stat_activity where state = 'active' and query like 'begin; select pg_sleep%'"):
+                await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await db.pool.fetchval("select 1") == 1
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [m for m in reported if "active transaction" in m], reported

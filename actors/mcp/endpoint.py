@@ -115,14 +115,16 @@ _PLAIN_REFUSALS: dict[int, ApiError] = {
 }
 
 
-#: The same for the OAuth routes, where a plain 400 is not the transport's Content-Type check.
-OAUTH_PLAIN_REFUSALS = {status: error for status, error in _PLAIN_REFUSALS.items() if status != 400}
+#: The same for the OAuth routes: only the body limit's plain 413 (their other answers are the
+#: SDK's OAuth JSON; a plain 400 there is Starlette's, for a form it could not read, whose reason
+#: these fixed texts would not tell).
+OAUTH_PLAIN_REFUSALS = {413: _PLAIN_REFUSALS[413]}
 
 
 def json_refusals(send: Send, method: str, refusals: Mapping[int, ApiError] = _PLAIN_REFUSALS) -> Send:
-    """``send`` with a plain-text or bodyless 4xx turned into the JSON error envelope (the status and
-    the other headers kept), its message from ``refusals`` by status. Answers that are already JSON
-    (or HTML: the consent page), and every answer to HEAD, pass as they are."""
+    """``send`` with a plain-text or bodyless 4xx whose status ``refusals`` names turned into the JSON
+    error envelope (the status and the other headers kept). Other statuses, answers that are
+    already JSON (or HTML: the consent page), and every answer to HEAD pass as they are."""
     replacing: bytes | None = None
 
     async def sending(message: Message) -> None:
@@ -132,9 +134,10 @@ def json_refusals(send: Send, method: str, refusals: Mapping[int, ApiError] = _P
             headers = message.get("headers", ())
             content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
             if 400 <= status < 500 and method != "HEAD" and (not content_type or content_type.startswith(b"text/plain")):
-                error = refusals.get(status) or ApiError(
-                    "The MCP transport refused this request.", status=status, code="refused",
-                    how_to_proceed="Check the request against the MCP Streamable HTTP transport.")
+                error = refusals.get(status)
+            else:
+                error = None
+            if error is not None:
                 log.info("mcp.transport_refused", status=status, code=error.code)
                 replacing = orjson.dumps(error.envelope())
                 kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]

@@ -301,11 +301,13 @@ async def transaction(conn: Any, prelude: str) -> AsyncIterator[None]:
         await conn.execute(f"{begin}; {prelude}")
         yield
     except BaseException:
-        # is_closed() too raises, on a proxy the pool took back. Bounded: after a statement was
-        # cancelled, asyncpg holds the next one until the server confirms the cancellation, which a
-        # server that stopped answering never does (the pool then drops the connection).
+        # is_closed() too raises, on a proxy the pool took back. Not conditional on
+        # is_in_transaction(): a cancellation during the first round trip comes before the server's
+        # answer that the transaction is open. Bounded: after a statement was cancelled, asyncpg
+        # holds the next one until the server confirms the cancellation, which a server that
+        # stopped answering never does (the pool then drops the connection).
         with contextlib.suppress(Exception):
-            if not conn.is_closed() and conn.is_in_transaction():
+            if not conn.is_closed():
                 async with asyncio.timeout(ROLLBACK_TIMEOUT):
                     await conn.execute(rollback)
         raise
