@@ -37,6 +37,10 @@ from protocol.validation import decode_json_body
 log = get_logger("toastmachine.http")
 
 TRACE_RESPONSE_HEADER = "X-Trace-Id"
+#: The ``Server`` header of every answer of the web front, the ones aiohttp's parser refusals get
+#: too. aiohttp's default names the Python and aiohttp versions, which tells an attacker which
+#: published vulnerabilities to try; this names only the product.
+SERVER_HEADER = "ToastMachine"
 #: Where the middleware keeps a request's trace id (read by :func:`trace_header`).
 TRACE_ID: web.RequestKey[str] = web.RequestKey("trace_id", str)
 #: The request's client address, resolved once by the middleware (see :func:`request_client`).

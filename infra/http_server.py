@@ -34,7 +34,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from infra.http import error_response
+from infra.http import SERVER_HEADER, error_response
 from infra.logs import get_logger
 from infra.metrics import Metrics
 from protocol.errors import ApiError, InternalError, ReadTimeout
@@ -57,7 +57,8 @@ _FIX = "Send a well-formed HTTP/1.1 request (RFC 9112); GET /openapi.json lists 
 #: FIN were sent (see ``GuardedRequestHandler._linger_close``).
 LINGER_AFTER_TIMEOUT = 1.0
 _HEADER_TIMEOUT_RESPONSE = (
-    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"HTTP/1.1 408 Request Timeout\r\nServer: " + SERVER_HEADER.encode() + b"\r\n"
+    b"Content-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s")
 
 
@@ -186,6 +187,7 @@ class GuardedRequestHandler(RequestHandler):
         if request.writer.output_size > 0:  # a response is under way: the connection is broken
             raise ConnectionError("Response is sent already, cannot send another response")
         response = error_response(error)
+        response.headers["Server"] = SERVER_HEADER  # the app's on_response_prepare does not run here
         response.force_close()
         return response
 

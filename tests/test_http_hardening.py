@@ -97,6 +97,7 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
                 assert envelope["code"] == code, (reason, envelope)
                 assert envelope["message"] and envelope["how_to_proceed"]
                 assert credential.encode() not in body and CANARY.encode() not in body, reason
+                assert headers.get("server") == "ToastMachine", (reason, headers)  # not aiohttp's, with versions
             # A client that leaves in the middle of a write's body is not a database failure (503).
             _, writer = await asyncio.open_connection(host, int(port))
             writer.write(f"POST /conversations HTTP/1.1\r\nHost: node\r\nAuthorization: Bearer {credential}\r\n"
@@ -163,6 +164,7 @@ async def test_unfinished_request_headers_are_answered_408_and_closed(stack: Sta
     for answer in answers:
         status, headers, body = _split(answer)
         assert status == 408 and headers["content-type"] == "application/json", answer[:200]
+        assert headers["server"] == "ToastMachine", headers
         assert orjson.loads(body)["error"]["code"] == "request_timeout"
     metrics = await (await stack.client.get("/metrics")).text()
     assert 'toastmachine_http_rejected_total{reason="header_timeout"} 54.0' in metrics

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from actors.web import agents, archive, auth, export, front, health, ingress, openapi, reads, stream
 from actors.web.context import NODE
-from infra.http import READ_TIMEOUT, make_middleware, trace_header
+from infra.http import READ_TIMEOUT, SERVER_HEADER, make_middleware, trace_header
 from infra.http_server import GuardedAppRunner
 from infra.runtime import Actor
 
@@ -17,9 +17,6 @@ if TYPE_CHECKING:
 
 #: SPEC §3: request bodies over 256 KiB are refused with 413.
 MAX_BODY_BYTES = 256 * 1024
-#: The ``Server`` header of every response. aiohttp's default names the Python and aiohttp versions,
-#: which tells an attacker which published vulnerabilities to try; this names only the product.
-SERVER_HEADER = "ToastMachine"
 
 
 async def _set_server_header(request: web.Request, response: web.StreamResponse) -> None:
