@@ -46,6 +46,7 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from infra.http import SERVER_HEADER as WEB_SERVER_HEADER
 from infra.logs import get_logger
 from infra.outages import DB_UNAVAILABLE_ERRORS, RETRY_AFTER
 from protocol.errors import (
@@ -63,8 +64,8 @@ SESSION_RETRY_AFTER = 30
 #: Largest JSON-RPC body the scope gate reads to find tool calls (the transport's own limit).
 GATE_MAX_BYTES = 4 * 1024 * 1024
 
-#: The ``Server`` header of every answer of the MCP front (like the web front: no framework or version).
-SERVER_HEADER = (b"server", b"ToastMachine")
+#: The ``Server`` header of every answer of the MCP front: the web front's (no framework or version).
+SERVER_HEADER = (b"server", WEB_SERVER_HEADER.encode())
 #: Headers every answer of /mcp carries: that, and no caching of anything token-gated.
 _MCP_HEADERS = (SERVER_HEADER, (b"cache-control", b"no-store"))
 

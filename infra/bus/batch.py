@@ -63,8 +63,8 @@ def _member_text(body: bytes) -> str | None:
 class _Member:
     routing_key: str
     type_name: str
-    body: str  # the encoded body, as the JSON text a batch embeds
-    size: int  # its bytes, which the batch's bound counts
+    body: bytes  # the encoded body: sent as it is when the member goes alone
+    text: str  # the same, as the JSON text a batch embeds
     headers: dict[str, HeaderValue]
     correlation_id: str
     deadline: float  # loop time
@@ -78,7 +78,8 @@ class _OpenBatch:
     sent: asyncio.Future[None]
     members: list[_Member] = field(default_factory=list)
     size: int = 0
-    latest: float = 0.0  # the latest member deadline (loop time): what bounds the publish
+    #: The member with the latest deadline: its deadline bounds the publish, and the batch carries it.
+    latest: _Member | None = None
 
 
 class RequestBatcher:
@@ -122,8 +123,8 @@ class RequestBatcher:
                 # body), which a batch cannot embed and which must fail no other request.
                 await self._send(exchange, routing_key, type_name, body, all_headers, correlation_id, timeout)
             else:
-                batch = self._join(exchange, batch_key or "", _Member(routing_key, type_name, text, len(body),
-                                                                      all_headers, correlation_id, deadline))
+                batch = self._join(exchange, batch_key or "", _Member(routing_key, type_name, body, text, all_headers,
+                                                                      correlation_id, deadline))
                 await self._published(batch, deadline, type_name, exchange, timeout)
             # A reply lost to a reconnect is never seen: the request waits for its own deadline.
             try:
@@ -146,7 +147,8 @@ class RequestBatcher:
             async with asyncio.timeout_at(deadline):
                 await asyncio.shield(batch.sent)
             return
-        if batch.latest <= deadline + PUBLISH_GRACE:
+        assert batch.latest is not None  # it holds this member at least
+        if batch.latest.deadline <= deadline + PUBLISH_GRACE:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(PUBLISH_GRACE):
                     await asyncio.shield(batch.sent)  # its error, if it failed, is the answer
@@ -159,7 +161,7 @@ class RequestBatcher:
         key = (exchange, batch_key, tuple(sorted(shared.items(), key=lambda kv: kv[0])))
         batch = self._open.get(key)
         if batch is not None and (len(batch.members) >= self.max_count
-                                  or batch.size + member.size > self.max_bytes):
+                                  or batch.size + len(member.body) > self.max_bytes):
             self._flush(key)
             batch = None
         if batch is None:
@@ -171,8 +173,9 @@ class RequestBatcher:
             self._open[key] = batch
             loop.call_soon(self._flush, key, batch)
         batch.members.append(member)
-        batch.size += member.size
-        batch.latest = max(batch.latest, member.deadline)
+        batch.size += len(member.body)
+        if batch.latest is None or member.deadline > batch.latest.deadline:
+            batch.latest = member
         return batch
 
     def _flush(self, key: tuple[Any, ...], expected: _OpenBatch | None = None) -> None:
@@ -186,17 +189,18 @@ class RequestBatcher:
 
     async def _publish(self, batch: _OpenBatch) -> None:
         loop = asyncio.get_running_loop()
-        latest = max(batch.members, key=lambda m: m.deadline)
+        latest = batch.latest
+        assert latest is not None  # a batch is opened for a member
         timeout = max(latest.deadline - loop.time(), 0.001)
         try:
             if len(batch.members) == 1:
                 m = batch.members[0]
-                await self._send(batch.exchange, m.routing_key, m.type_name, m.body.encode(), m.headers,
+                await self._send(batch.exchange, m.routing_key, m.type_name, m.body, m.headers,
                                  m.correlation_id, timeout)
             else:
                 type_name, body = encode_message(RequestBatch(members=[
                     {"correlation_id": m.correlation_id, "routing_key": m.routing_key, "type": m.type_name,
-                     "body": m.body, "headers": m.headers} for m in batch.members]))
+                     "body": m.text, "headers": m.headers} for m in batch.members]))
                 # The batch's deadline is its latest member's: a consumer skips a member by its own.
                 headers = {**batch.shared, DEADLINE_HEADER: latest.headers[DEADLINE_HEADER]}
                 correlation_id = uuid.uuid4().hex
