@@ -23,7 +23,10 @@ Prints accepted writes/s and client-observed p50/p99 latency of each, the ratios
 >= 0.3) and ours/(b) (target >= 0.5) and whether ours meets p99 <= 100 ms; then checks that the
 node's database holds exactly one message, change and completed operation per 201 answer, and
 shows where ours spends its time (server-side latency, the writer's writes per transaction, and
-CPU-milliseconds per write of each process).
+CPU-milliseconds per write of each process). Last, the floor under any design on this stack
+(``bench/floor.py``, measured each round): what plain aiohttp answering a POST and one confirmed AMQP
+publish per event cost alone, with baseline (b)'s own rows, against the CPU budget that the (b)
+target leaves per write on this machine.
 
 The broker, the database, both node processes and this client share the machine's CPUs, and both
 sides fsync, so single runs vary by tens of percent: the rounds alternate which side goes first and
@@ -50,10 +53,9 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -68,6 +70,8 @@ import structlog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import floor
+from bench.measure import CpuMeter, Round, drive
 from infra.bus.base import COMMANDS_EXCHANGE
 from infra.bus.rabbitmq import RabbitBus
 from protocol import corpus
@@ -95,117 +99,7 @@ BASELINE_EXCLUDES = ("HTTP, authentication, admission, validation, the bus round
                      "lock, the write budget, the publisher")
 
 
-# --- measuring ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Round:
-    """One measured run of ``count`` writes by one side."""
-
-    elapsed: float
-    latencies: list[float]  # seconds, accepted writes only
-    failures: Counter[str]
-    cpu: dict[str, float] = field(default_factory=dict)  # CPUs busy on average, per process group
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def rate(self) -> float:
-        return len(self.latencies) / self.elapsed
-
-    def percentile_ms(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return 1000 * ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else math.nan
-
-
-async def drive(count: int, concurrency: int, write: Callable[[int, int], Awaitable[str | None]]) -> Round:
-    """Run ``count`` writes, ``concurrency`` at a time, each worker ``i`` writing as its own agent.
-
-    ``write(i, n)`` returns None when the write was accepted, else why not (a status or an error name).
-    """
-    latencies: list[float] = []
-    failures: Counter[str] = Counter()
-    counter = iter(range(count))
-
-    async def worker(i: int) -> None:
-        for n in counter:
-            started = time.perf_counter()
-            try:
-                failure = await write(i, n)
-            except (aiohttp.ClientError, asyncpg.PostgresError, OSError, TimeoutError) as e:
-                failure = type(e).__name__
-            if failure is None:
-                latencies.append(time.perf_counter() - started)
-            else:
-                failures[failure] += 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return Round(time.perf_counter() - started, latencies, failures)
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
-
-
-def _pids_named(name: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            if (entry / "comm").read_text().strip() == name:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _machine_busy_seconds() -> float:
-    """CPU seconds all CPUs spent not idle since boot (kernel network work included, which per-process
-    times miss)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return (sum(fields) - fields[3] - fields[4]) / _TICK  # minus idle and iowait
-
-
-class CpuMeter:
-    """CPU time of process groups over an interval, from /proc (Linux); empty elsewhere.
-
-    The postgres and rabbitmq groups are every such process on the machine, other users' included;
-    ``machine`` is every CPU's busy time.
-    """
-
-    def __init__(self, groups: dict[str, list[int]]) -> None:
-        self.groups = groups
-        self.before = {pid: _cpu_seconds(pid) for pids in groups.values() for pid in pids}
-        self.machine = _machine_busy_seconds() if groups else 0.0
-        self.started = time.perf_counter()
-
-    @classmethod
-    def start(cls, own: dict[str, int]) -> CpuMeter:
-        if not Path("/proc/self/stat").exists():
-            return cls({})
-        groups = {name: [pid] for name, pid in own.items()}
-        groups["postgres"] = _pids_named("postgres")
-        groups["rabbitmq"] = _pids_named("beam.smp")
-        return cls(groups)
-
-    def busy(self) -> dict[str, float]:
-        """CPUs busy on average since :meth:`start`, per group."""
-        wall = time.perf_counter() - self.started
-        out = {}
-        for name, pids in self.groups.items():
-            used = 0.0
-            for pid in pids:
-                before, after = self.before.get(pid), _cpu_seconds(pid)
-                if before is not None and after is not None:
-                    used += after - before
-            out[name] = used / wall
-        if self.groups:
-            out["machine"] = (_machine_busy_seconds() - self.machine) / wall
-        return out
+# --- measuring: bench/measure.py ----------------------------------------------------------------
 
 
 def quiet_product_logs() -> None:
@@ -693,6 +587,8 @@ class Report:
     grouped: list[Round] = field(default_factory=list)
     event_bytes: int = 0
     ping: Round | None = None
+    http_floor: list[Round] = field(default_factory=list)
+    publish_floor: list[Round] = field(default_factory=list)
     accepted: int = 0
     stored: dict[str, int] = field(default_factory=dict)
 
@@ -746,6 +642,36 @@ class Report:
             print(f"    (b):  {cpu_line(self.grouped)}")
             print("  (postgres and rabbitmq: every such process on this machine, other users' included; "
                   "machine: every CPU's busy time)")
+        if self.http_floor and self.publish_floor and self.ours[0].cpu:
+            self.print_floor()
+
+    def print_floor(self) -> None:
+        """The stack's floor (bench/floor.py) against the CPU budget of the (b) target on this machine."""
+        def ms(rounds: list[Round], group: str) -> float:
+            return median(rounds, lambda r: floor.cpu_ms(r, group))
+
+        http_server, http_client = ms(self.http_floor, "server"), ms(self.http_floor, "bench")
+        publisher, broker = ms(self.publish_floor, "bench"), ms(self.publish_floor, "rabbitmq")
+        rows = ms(self.grouped, "postgres") + ms(self.grouped, "bench")
+        total = http_server + http_client + publisher + broker + rows
+        grouped_rate = median(self.grouped, lambda r: r.rate)
+        cpus = floor.cpus()
+        budget = 1000 * cpus / (TARGET_RATIO_GROUPED * grouped_rate)
+        ceiling = 1000 * cpus / total / grouped_rate
+        print("  the floor under any design on this stack, each part measured alone in this run "
+              "(CPU-ms per write, processes' own time, median of rounds; bench/floor.py):")
+        print(f"    aiohttp answering a write-sized JSON POST with 201 and nothing else: server {http_server:.3f}, "
+              f"client {http_client:.3f}  ({median(self.http_floor, lambda r: r.rate):,.0f} requests/s)")
+        print(f"    one confirmed publish per event (aiormq, {self.event_bytes} B, the event's headers, "
+              f"{floor.PUBLISH_WINDOW} in flight, no queue bound): publisher {publisher:.3f}, rabbitmq {broker:.3f}  "
+              f"({median(self.publish_floor, lambda r: r.rate):,.0f} publishes/s)")
+        print(f"    baseline (b)'s own rows: postgres + its asyncpg client {rows:.3f}")
+        print(f"    sum {total:.2f} ms per write; at {TARGET_RATIO_GROUPED}x (b) ({grouped_rate:,.0f} writes/s) these "
+              f"{cpus} CPUs allow {budget:.2f} ms per write: on this machine no design on this stack exceeds "
+              f"about {ceiling:.2f}x (b), before authentication, validation, the command hop and the writer's own code")
+        ours = sum(ms(self.ours, group) for group in self.ours[0].cpu if group != "machine")
+        print(f"    ours spends {ours:.2f} ms per write in these processes, {ours - total:.2f} above the floor; "
+              f"the (b) target leaves {budget - total:.2f} ms for all of that")
 
 
 def _met(ok: bool) -> str:
@@ -804,6 +730,7 @@ async def run(args: argparse.Namespace) -> Report:
                                     print(f"round {i} {describe(f'{who:8s}', [result])}   "
                                           f"batch {result.extra.get('batch', math.nan):.1f}   "
                                           f"failures {dict(result.failures) or 0}", flush=True)
+                            await measure_floor(report, amqp_url, args)
                         report.ping = await measure_ping(amqp_url, db, args.writes, args.concurrency)
                         report.accepted = http.accepted
                         report.stored = dict(await db.fetchrow(
@@ -813,6 +740,16 @@ async def run(args: argparse.Namespace) -> Report:
                     finally:
                         await db.close()
     return report
+
+
+async def measure_floor(report: Report, amqp_url: str, args: argparse.Namespace) -> None:
+    """One round of the stack's floor (bench/floor.py): plain aiohttp, then one confirmed publish per event."""
+    content = content_of(args.writes, args.size)
+    async with floor.plain_server() as (base, pid), aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=args.concurrency * 2),
+            timeout=aiohttp.ClientTimeout(total=60)) as session:
+        report.http_floor.append(await floor.measure_http(base, pid, session, args.writes, args.concurrency, content))
+    report.publish_floor.append(await floor.measure_publish(amqp_url, args.writes, report.event_bytes))
 
 
 def _batch_cap(ours: Round) -> int:
