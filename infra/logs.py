@@ -12,7 +12,8 @@ import logging
 import re
 import sys
 import uuid
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from types import MappingProxyType
 from typing import Any
 
 import structlog
@@ -26,6 +27,9 @@ TRACE_HEADER = "x-trace-id"
 _TRACE_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 _trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("tm_trace_id", default=None)
+#: Log context bound with the trace id (e.g. the queue a delivery came from); never mutated, replaced.
+_log_context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("tm_log_context",
+                                                                                 default=MappingProxyType({}))
 
 
 def new_trace_id() -> str:
@@ -46,14 +50,32 @@ def current_trace_id() -> str | None:
 
 @contextlib.contextmanager
 def bound_trace(trace_id: str | None, **context: Any) -> Iterator[str]:
-    """Bind ``trace_id`` (a new one if None) and extra log context for the duration of the block."""
+    """Bind ``trace_id`` (a new one if None) and extra log context for the duration of the block.
+
+    Both live in this module's context variables, which :func:`merge_trace_context` adds to every
+    log line. Not structlog's ``bound_contextvars``: that one walks every context variable of the
+    task on each entry, about 10 µs, and this runs once per request and once per delivered command.
+    """
     tid = trace_id or new_trace_id()
     token = _trace_id.set(tid)
-    with structlog.contextvars.bound_contextvars(trace_id=tid, **context):
-        try:
-            yield tid
-        finally:
-            _trace_id.reset(token)
+    context_token = _log_context.set({**_log_context.get(), **context}) if context else None
+    try:
+        yield tid
+    finally:
+        if context_token is not None:
+            _log_context.reset(context_token)
+        _trace_id.reset(token)
+
+
+def merge_trace_context(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: the trace id and context bound by :func:`bound_trace`, under what the log
+    call itself names (a key the call passes wins)."""
+    for key, value in _log_context.get().items():
+        event_dict.setdefault(key, value)
+    trace_id = _trace_id.get()
+    if trace_id is not None:
+        event_dict.setdefault("trace_id", trace_id)
+    return event_dict
 
 
 def configure_logging(fmt: str = "console", level: str = "info") -> None:
@@ -68,6 +90,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
                                                  exception_formatter=structlog.dev.plain_traceback)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        merge_trace_context,
         structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -25,6 +25,7 @@ from aiohttp.test_utils import TestClient
 
 from actors.web.app import make_app
 from infra.client_address import TrustedProxies, admission_key, client_address, parse_address
+from infra.logs import merge_trace_context
 from tests.corpus_fixtures import STACK_ENV, Agent, Reply, Stack
 from tests.deployment import deployment
 from tests.webclient import serve, test_node
@@ -176,7 +177,7 @@ async def test_forwarding_headers_from_a_trusted_proxy_name_the_client(stack: St
 @pytest.mark.stack_env(TOASTMACHINE_TRUSTED_PROXIES="127.0.0.1")
 async def test_log_lines_name_the_client_the_registration_was_charged_to(stack: Stack) -> None:
     async with second_node(stack) as untrusting:  # the default: trust nobody
-        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        with structlog.testing.capture_logs(processors=[merge_trace_context]) as logs:
             forwarded = {"X-Forwarded-For": "198.51.100.1, 203.0.113.50"}
             trusted = await post(stack.client, None, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"}, **forwarded)
             untrusted = await post(untrusting, None, "/register", {"name": f"a-{uuid.uuid4().hex[:10]}"}, **forwarded)

@@ -168,3 +168,46 @@ def test_a_log_line_quoting_a_huge_client_value_is_cut(capsys: pytest.CaptureFix
     assert "(20021 characters)" in lines[0] and "(20000 characters)" in lines[1] and '"short": "kept"' in lines[1]
     assert "test.cut_url" in err and "tm:hun" not in err and "tm:***" in err
     assert "rebind.example" not in err
+
+
+def test_log_lines_carry_the_bound_trace_id_and_context_and_nesting_restores_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every line logged inside :func:`bound_trace` carries its trace id and context, a key the log
+    call passes itself wins, an inner block's values hold only inside it, and nothing is left bound
+    after the outer one (the library lines of ``logging`` get them too)."""
+    import logging
+
+    import orjson
+    import structlog
+
+    from infra.logs import bound_trace, configure_logging, current_trace_id, get_logger
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    log = get_logger("toastmachine.test")
+    try:
+        configure_logging("json", "info")
+        with bound_trace("outer-trace-1", queue="q1", client="c1"):
+            log.info("test.outer")
+            with bound_trace(None, queue="q2") as inner:
+                log.info("test.inner")
+                log.info("test.own", queue="passed")
+                logging.getLogger("asyncpg").warning("library line")
+            log.info("test.outer_again")
+        log.info("test.after")
+        assert current_trace_id() is None
+        err = capsys.readouterr().err
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+        structlog.reset_defaults()
+    lines = {line["event"]: line for line in map(orjson.loads, err.splitlines())}
+    assert {k: lines["test.outer"].get(k) for k in ("trace_id", "queue", "client")} == \
+        {"trace_id": "outer-trace-1", "queue": "q1", "client": "c1"}
+    assert {k: lines["test.inner"].get(k) for k in ("trace_id", "queue", "client")} == \
+        {"trace_id": inner, "queue": "q2", "client": "c1"}
+    assert inner != "outer-trace-1" and lines["test.own"]["queue"] == "passed"
+    assert lines["library line"]["trace_id"] == inner
+    assert {k: lines["test.outer_again"].get(k) for k in ("trace_id", "queue")} == \
+        {"trace_id": "outer-trace-1", "queue": "q1"}
+    assert "trace_id" not in lines["test.after"] and "queue" not in lines["test.after"]
