@@ -34,8 +34,8 @@ from aiohttp.http_exceptions import (
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from infra.http import SERVER_HEADER, error_response
-from infra.logs import get_logger
+from infra.http import SERVER_HEADER, TRACE_RESPONSE_HEADER, error_response
+from infra.logs import get_logger, new_trace_id
 from infra.metrics import Metrics
 from protocol.errors import ApiError, InternalError, ReadTimeout
 
@@ -58,7 +58,7 @@ _FIX = "Send a well-formed HTTP/1.1 request (RFC 9112); GET /openapi.json lists 
 LINGER_AFTER_TIMEOUT = 1.0
 _HEADER_TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\nServer: " + SERVER_HEADER.encode() + b"\r\n"
-    b"Content-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Type: application/json\r\nConnection: close\r\n" + TRACE_RESPONSE_HEADER.encode() + b": %s\r\n"
     b"Content-Length: %d\r\n\r\n%s")
 
 
@@ -147,10 +147,10 @@ class GuardedRequestHandler(RequestHandler):
         transport = self.transport
         if transport is None or self._request_in_progress or self._messages:
             return
-        self._reject("header_timeout", ReadTimeout())
+        trace_id = self._reject("header_timeout", ReadTimeout())
         body = error_response(ReadTimeout()).body
         assert isinstance(body, bytes)
-        transport.write(_HEADER_TIMEOUT_RESPONSE % (len(body), body))
+        transport.write(_HEADER_TIMEOUT_RESPONSE % (trace_id.encode(), len(body), body))
         self._linger_close(transport)
 
     def _linger_close(self, transport: asyncio.Transport) -> None:
@@ -171,34 +171,41 @@ class GuardedRequestHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         """The answer to a request the parser rejected (or that failed outside the app's middleware):
         the JSON envelope with fixed text; ``message`` (aiohttp's, quoting the request) is ignored."""
+        trace_id = new_trace_id()
         if isinstance(exc, HttpProcessingError):
             reason, error = classify(exc, max_request_line=self.max_line_size)
-            self._reject(reason, error)
+            self._reject(reason, error, trace_id)
         elif status == 504:
             error = ApiError("The request took too long to handle.", status=504, code="handler_timeout",
                              how_to_proceed="Retry later.")
-            log.warning("http.handler_timeout")
+            log.warning("http.handler_timeout", trace_id=trace_id)
         else:
             # The app's middleware answers every handler error itself; reaching here is a bug, so
             # it is logged at error level, with the exception's type only (its text may quote input).
             error = InternalError()
-            log.error("http.unhandled_outside_middleware", status=status,
+            log.error("http.unhandled_outside_middleware", status=status, trace_id=trace_id,
                       error_type=type(exc).__name__ if exc is not None else None)
         if request.writer.output_size > 0:  # a response is under way: the connection is broken
             raise ConnectionError("Response is sent already, cannot send another response")
         response = error_response(error)
-        response.headers["Server"] = SERVER_HEADER  # the app's on_response_prepare does not run here
+        # The app's on_response_prepare does not run here: its headers are set by hand, the trace id
+        # a fresh one (no request reached the middleware), the one in the log line above.
+        response.headers["Server"] = SERVER_HEADER
+        response.headers[TRACE_RESPONSE_HEADER] = trace_id
         response.force_close()
         return response
 
-    def _reject(self, reason: str, error: ApiError) -> None:
+    def _reject(self, reason: str, error: ApiError, trace_id: str | None = None) -> str:
+        """Log and count a refusal; its trace id (``trace_id``, or a fresh one), for the answer."""
+        trace_id = trace_id or new_trace_id()
         peer = None
         if self.transport is not None:
             info = self.transport.get_extra_info("peername")
             peer = info[0] if isinstance(info, tuple) else None
-        log.warning("http.request_rejected", reason=reason, status=error.status, peer=peer)
+        log.warning("http.request_rejected", reason=reason, status=error.status, peer=peer, trace_id=trace_id)
         if self._metrics is not None:
             self._metrics.rejected.labels(reason).inc()
+        return trace_id
 
 
 class _GuardedServer(web.Server):

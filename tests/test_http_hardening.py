@@ -89,6 +89,7 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
                 assert resp.status == 201
                 credential = (await resp.json())["credential"]
             cases = _hostile_requests(credential)
+            answered_traces: list[str] = []
             for reason, raw, status, code in cases:
                 got_status, headers, body = _split(await _exchange(host, int(port), raw))
                 assert (got_status, headers.get("content-type", "").split(";")[0]) == (status, "application/json"), \
@@ -98,6 +99,7 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
                 assert envelope["message"] and envelope["how_to_proceed"]
                 assert credential.encode() not in body and CANARY.encode() not in body, reason
                 assert headers.get("server") == "ToastMachine", (reason, headers)  # not aiohttp's, with versions
+                answered_traces.append(headers.get("x-trace-id", ""))
             # A client that leaves in the middle of a write's body is not a database failure (503).
             _, writer = await asyncio.open_connection(host, int(port))
             writer.write(f"POST /conversations HTTP/1.1\r\nHost: node\r\nAuthorization: Bearer {credential}\r\n"
@@ -106,13 +108,19 @@ async def test_parser_rejections_answer_the_envelope_and_leak_no_header_bytes(
             await _metric_appears(session, f"{url}/metrics",
                                   'route="/conversations",status="499"', then=writer.close)
             # A connection that sends nothing is answered 408 and closed; its log line comes last.
-            timed_out, _, _ = _split(await _exchange(host, int(port), b""))
+            timed_out, timed_out_headers, _ = _split(await _exchange(host, int(port), b""))
             assert timed_out == 408
+            answered_traces.append(timed_out_headers.get("x-trace-id", ""))
             await web.wait_for_line(r'"reason": ?"header_timeout"', timeout=15)
             async with session.get(f"{url}/metrics") as resp:
                 metrics = await resp.text()
         rejected = [orjson.loads(line) for line in web.output if "http.request_rejected" in line]
         assert [r["level"] for r in rejected] == ["warning"] * (len(cases) + 1)
+        # Each refusal's answer names the trace id of its log line (a fresh one each: no request got
+        # as far as the middleware, so none could bring its own).
+        assert all(re.fullmatch(r"[0-9a-f]{32}", t) for t in answered_traces), answered_traces
+        assert sorted(r["trace_id"] for r in rejected) == sorted(answered_traces)
+        assert len(set(answered_traces)) == len(answered_traces)
         assert sorted(r["reason"] for r in rejected) == sorted(
             ["malformed", "malformed", "header_too_large", "too_many_headers", "bad_method",
              "request_line_too_long", "header_timeout"])
@@ -165,6 +173,7 @@ async def test_unfinished_request_headers_are_answered_408_and_closed(stack: Sta
         status, headers, body = _split(answer)
         assert status == 408 and headers["content-type"] == "application/json", answer[:200]
         assert headers["server"] == "ToastMachine", headers
+        assert re.fullmatch(r"[0-9a-f]{32}", headers.get("x-trace-id", "")), headers
         assert orjson.loads(body)["error"]["code"] == "request_timeout"
     metrics = await (await stack.client.get("/metrics")).text()
     assert 'toastmachine_http_rejected_total{reason="header_timeout"} 54.0' in metrics
