@@ -23,6 +23,7 @@ its reply, the writer's own code, the hubs' batch): the ratio it implies is an u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import sys
@@ -70,15 +71,20 @@ def serve() -> None:
         sock.bind(("127.0.0.1", 0))
         await web.SockSite(runner, sock).start()
         print(sock.getsockname()[1], flush=True)
-        await asyncio.Event().wait()
+        # Until the benchmark closes our stdin (or dies): reading it returns at EOF.
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.buffer.read)
 
     uvloop.run(main())
 
 
 @asynccontextmanager
 async def plain_server() -> AsyncIterator[tuple[str, int]]:
-    """The plain aiohttp app in a process of its own: its base URL and pid."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "serve", stdout=asyncio.subprocess.PIPE)
+    """The plain aiohttp app in a process of its own: its base URL and pid.
+
+    The server also exits when its stdin closes, so that it does not outlive a benchmark that was
+    killed outright."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "serve", stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -86,9 +92,14 @@ async def plain_server() -> AsyncIterator[tuple[str, int]]:
             raise RuntimeError("the plain aiohttp server did not start")
         yield f"http://127.0.0.1:{int(line)}", proc.pid
     finally:
-        if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
             proc.terminate()
-        await proc.wait()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
 
 
 async def measure_http(base: str, pid: int, session: aiohttp.ClientSession, count: int, concurrency: int,
@@ -120,7 +131,7 @@ async def measure_publish(amqp_url: str, count: int, event_bytes: int, window: i
     try:
         channel = await connection.channel(publisher_confirms=True)
         exchange = f"tm.bench.floor.{uuid.uuid4().hex[:12]}"
-        await channel.exchange_declare(exchange, exchange_type="topic", auto_delete=False)
+        await channel.exchange_declare(exchange, exchange_type="topic", durable=False)
         body = b"x" * event_bytes
         lineage, corpus_id = str(uuid.uuid4()), str(uuid.uuid4())
 
@@ -140,7 +151,10 @@ async def measure_publish(amqp_url: str, count: int, event_bytes: int, window: i
             result = await drive(count, window, publish)
             result.cpu = meter.busy()
         finally:
-            await channel.exchange_delete(exchange)
+            # Not over a channel the failure closed: the exchange then goes with the connection's
+            # end only if the broker restarts (it is not durable), and the failure is what matters.
+            with contextlib.suppress(aiormq.exceptions.AMQPError, ConnectionError):
+                await channel.exchange_delete(exchange)
         return result
     finally:
         await connection.close()

@@ -34,7 +34,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from infra.http import SERVER_HEADER, TRACE_RESPONSE_HEADER, error_response
+from infra.http import SERVER_HEADER, TRACE_ID, TRACE_RESPONSE_HEADER, error_response
 from infra.logs import get_logger, new_trace_id
 from infra.metrics import Metrics
 from protocol.errors import ApiError, InternalError, ReadTimeout
@@ -171,7 +171,9 @@ class GuardedRequestHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         """The answer to a request the parser rejected (or that failed outside the app's middleware):
         the JSON envelope with fixed text; ``message`` (aiohttp's, quoting the request) is ignored."""
-        trace_id = new_trace_id()
+        # A request that reached the app already has the middleware's trace id (and its
+        # on_response_prepare puts that one on the answer); one the parser refused has none.
+        trace_id = request.get(TRACE_ID) or new_trace_id()
         if isinstance(exc, HttpProcessingError):
             reason, error = classify(exc, max_request_line=self.max_line_size)
             self._reject(reason, error, trace_id)
@@ -188,8 +190,7 @@ class GuardedRequestHandler(RequestHandler):
         if request.writer.output_size > 0:  # a response is under way: the connection is broken
             raise ConnectionError("Response is sent already, cannot send another response")
         response = error_response(error)
-        # The app's on_response_prepare does not run here: its headers are set by hand, the trace id
-        # a fresh one (no request reached the middleware), the one in the log line above.
+        # For a refused request the app's on_response_prepare does not run: its headers are set here.
         response.headers["Server"] = SERVER_HEADER
         response.headers[TRACE_RESPONSE_HEADER] = trace_id
         response.force_close()

@@ -89,7 +89,6 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
                                                  exception_formatter=structlog.dev.plain_traceback)
     shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
         merge_trace_context,
         structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
