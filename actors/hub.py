@@ -182,18 +182,24 @@ class Subscription:
             self._wake()
 
     def tick(self) -> None:
-        """The hub's ticker: queue a heartbeat, or cut off a stream stuck in one write since the last tick."""
-        if self.closed:
-            return
+        """The hub's ticker: queue a heartbeat, or cut off a stream stuck in one write since the last tick.
+
+        A closed subscription gets no heartbeat but is still watched: its stream may be blocked in a
+        write (the rest of its queue, a catch-up page) by a client that stopped reading, and nothing
+        else would ever end that write.
+        """
         if self.busy:
             if self._stuck_write == self.writes:
-                self.cut_off()
+                if not self.closed:
+                    self.cut_off()
                 if self.on_stuck is not None:
                     self.on_stuck()
                 return
             self._stuck_write = self.writes
             return
         self._stuck_write = None
+        if self.closed:
+            return
         if self._idle() and self.sink is not None and self.sink(HEARTBEAT_BATCH):
             return  # written at once, like a batch of changes
         if len(self._items) < self.maxsize:
@@ -287,6 +293,8 @@ class NotificationHub:
         self.holes_read = 0
         #: Fronts that started the hub and have not closed it yet.
         self._users = 0
+        #: Fronts whose subscriptions were ended (see :meth:`end`): one per stopping front, at most two.
+        self._ended: list[object] = []
         #: ``batches`` at the ticker's last round: unchanged over a round means no batch came.
         self._batches_seen = 0
 
@@ -346,9 +354,16 @@ class NotificationHub:
         await self._after_hole(cursor, [])
 
     def end(self, owner: object) -> None:
-        """End ``owner``'s subscriptions now (a front that stops), leaving other fronts' alone."""
+        """End ``owner``'s subscriptions now (a front that stops), leaving other fronts' alone; one it
+        opens afterwards (a stream still starting) is ended as it is made."""
+        if not self._has_ended(owner):
+            self._ended.append(owner)
         for sub in [s for s in self._subscribers if s.owner is owner]:
             sub.close()
+
+    def _has_ended(self, owner: object) -> bool:
+        # By identity: an aiohttp Application is a mapping, and mappings compare by content.
+        return any(ended is owner for ended in self._ended)
 
     async def close(self) -> None:
         """One front is done with the hub; the last one's close stops consuming and ends every
@@ -376,6 +391,8 @@ class NotificationHub:
         never reads the SSE frames (its items carry empty bytes); ``owner``: the front it is for
         (see :meth:`end`)."""
         sub = Subscription(self.subscriber_queue, owner)
+        if owner is not None and self._has_ended(owner):
+            sub.close()
         self._subscribers.add(sub)
         self._framed += frames
         try:

@@ -252,3 +252,101 @@ async def test_the_conversation_filter_includes_its_relationship_events(stack: S
     assert live[0].json()["data"]["relationship"]["id"] == live_rel
     assert live[1].json()["data"]["retraction"]["relationship_id"] == from_one
     assert live[2].json()["data"]["message"]["id"] == last["message"]["id"]
+
+
+def _server_side(stack: Stack, sock: socket.socket) -> Any:
+    """The node's handler of the connection ``sock`` is the client end of (None once it is closed)."""
+    for handler in stack.client.server.runner.server.connections:  # type: ignore[union-attr]
+        transport = handler.transport
+        if transport is not None and transport.get_extra_info("peername") == sock.getsockname():
+            return handler
+    return None
+
+
+async def _raw_stream(stack: Stack, query: str, *, until: bytes | None) -> socket.socket:
+    """A stream on a raw socket with a small receive window; read up to ``until``, then never again."""
+    host, port = stack.client.server.host, stack.client.server.port
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, port))
+    await loop.sock_sendall(sock, f"GET /corpus/stream{query} HTTP/1.1\r\nHost: node\r\n\r\n".encode())
+    if until is not None:
+        seen = b""
+        async with asyncio.timeout(30):
+            while until not in seen:
+                chunk = await loop.sock_recv(sock, 65536)
+                assert chunk, seen[-300:]
+                seen += chunk
+    return sock
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.3")
+async def test_a_live_client_cut_off_while_it_does_not_read_loses_its_connection_too(stack: Stack) -> None:
+    """A live stream whose client stops reading overflows its hub queue and is cut off; its last
+    bytes (the terminal event, the end of the body) then cannot drain. The node drops the
+    connection within a bound instead of leaving it, and what is queued for it, open for good."""
+    from actors.web.stream import FINISH_TIMEOUT, HUB
+
+    hub = stack.client.app[HUB]
+    hub.subscriber_queue = 3
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    async with publishing(stack):
+        with await _raw_stream(stack, "", until=b"event: ready") as sock:
+            (sub,) = hub._subscribers
+            assert _server_side(stack, sock) is not None
+            big = "x" * 60_000
+            for _ in range(2_000):
+                await stack.message(alice, cid, content=big)
+                if sub.overflowed:
+                    break
+            assert sub.overflowed, "the client that stopped reading was never cut off"
+            # Not a byte more is read: only the node can end this connection.
+            await _until(lambda: _server_side(stack, sock) is None, timeout=FINISH_TIMEOUT + 15)
+            assert hub.subscribers == 0
+
+
+@pytest.mark.stack_env(TOASTMACHINE_STREAM_HEARTBEAT="0.3")
+async def test_a_catching_up_client_cut_off_mid_write_is_still_dropped_by_the_watchdog(stack: Stack) -> None:
+    """A stream blocked in a catch-up write (its client stopped reading) whose hub queue overflows
+    meanwhile: its subscription is closed, but the watchdog still sees the write stuck and drops
+    the connection (it used to skip closed subscriptions, leaving the write blocked for good)."""
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
+    hub.subscriber_queue = 3
+    alice = await stack.register()
+    cid = (await stack.conversation(alice))["conversation"]["id"]
+    big = "y" * 30_000
+    for start in range(0, 200, 25):
+        await asyncio.gather(*(stack.message(alice, cid, content=big) for _ in range(25)))
+    # A heartbeat interval per tick: long enough for the overflow to come before the watchdog.
+    hub.heartbeat = 600
+    async with publishing(stack):
+        with await _raw_stream(stack, "?after=0", until=None) as sock:
+            await _until(lambda: hub.subscribers == 1)
+            (sub,) = hub._subscribers
+            await _until(lambda: sub.busy)
+            while not sub.overflowed:
+                await asyncio.gather(*(stack.message(alice, cid, content="live") for _ in range(5)))
+            assert sub.closed and sub.busy
+            for _ in range(2):  # two ticks finding the same write under way: stuck
+                sub.tick()
+            await _until(lambda: _server_side(stack, sock) is None, timeout=15)
+            await _until(lambda: hub.subscribers == 0, timeout=15)
+
+
+async def test_a_front_that_ended_its_streams_has_a_stream_still_starting_ended_too(stack: Stack) -> None:
+    """The node stopping ends its front's subscriptions; a stream that subscribes after that (it was
+    still starting) is ended as it subscribes, and another front's are left alone."""
+    from actors.web.stream import HUB
+
+    hub = stack.client.app[HUB]
+    other = object()
+    async with hub.subscribe(owner=other) as elsewhere:
+        hub.end(stack.client.app)
+        async with hub.subscribe(owner=stack.client.app) as late:
+            assert late.closed and await late.take(10) is None
+        assert not elsewhere.closed

@@ -58,6 +58,9 @@ STREAM_SLOTS: web.AppKey[ClientSlots] = web.AppKey("stream_slots", ClientSlots)
 LOOKUP: web.AppKey[ConversationLookup] = web.AppKey("conversation_lookup")
 #: Seconds one frame may take to reach a client before the client counts as stuck.
 WRITE_TIMEOUT = 10.0
+#: Seconds an ending stream's last bytes (the chunked terminator after everything still queued)
+#: may take to drain before the connection is dropped (see _finish).
+FINISH_TIMEOUT = 2.0
 #: Most live changes one socket write carries when a stream has fallen behind.
 LIVE_BATCH = 256
 #: Bytes a live stream's socket may have waiting in its transport for the hub to still write a batch
@@ -346,12 +349,16 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
                 await _catch_up(node.db, out, node.metrics)
                 if sub.overflowed:
                     continue  # too much arrived meanwhile: catch up again from the history
+                if sub.closed:
+                    break  # the node is stopping: the client resumes from what it got
                 await out.send(f"event: ready\ndata: {orjson.dumps({'sequence': out.last}).decode()}\n\n")
                 await _live(sub, out)
                 if sub.overflowed:
                     await out.error("slow_consumer")
-                return response
-        await out.error("slow_consumer")
+                break
+        else:
+            await out.error("slow_consumer")
+        await _finish(request, response)
     except ConnectionError:
         log.info("stream.client_gone", last=out.last)  # nothing to answer: the client left
     except asyncio.CancelledError:
@@ -359,10 +366,27 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
     except TimeoutError:
         log.info("stream.client_stuck", last=out.last)
         await out.error("slow_consumer")
+        await _finish(request, response)
     except Exception:
         log.exception("stream.failed", last=out.last)
         await out.error("internal_error")
+        await _finish(request, response)
     return response
+
+
+async def _finish(request: web.Request, response: web.StreamResponse) -> None:
+    """End the response within FINISH_TIMEOUT, else drop the connection.
+
+    Done here rather than left to aiohttp after the handler returns, whose final write waits for
+    the socket to drain with no bound: a client that stopped reading would hold its connection
+    (and the memory queued for it) for good, with its stream slot already given back. Dropping it
+    loses nothing: the client resumes from the last change it applied.
+    """
+    try:
+        async with asyncio.timeout(FINISH_TIMEOUT):
+            await response.write_eof()
+    except (TimeoutError, ConnectionError, RuntimeError):
+        _abort(request)
 
 
 async def _catch_up(db: Target, out: _Stream, metrics: Metrics) -> None:
@@ -370,6 +394,8 @@ async def _catch_up(db: Target, out: _Stream, metrics: Metrics) -> None:
     # waits for the socket to drain once the transport holds more than aiohttp's 64 KiB, so a
     # client that stops reading stops the reads (and its stream is cut off by the hub's watchdog).
     while True:
+        if out.sub is not None and out.sub.closed and not out.sub.overflowed:
+            return  # the node is stopping: no more of the history for this stream
         page = await bounded_page(db, out.last, max_rows=CATCH_UP_ROWS, max_bytes=CATCH_UP_BYTES)
         metrics.stream_pages.inc()
         metrics.stream_rows.inc(len(page))
