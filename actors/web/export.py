@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
@@ -50,8 +50,15 @@ log = get_logger("toastmachine.actors.web.export")
 JSONL = "application/x-ndjson"
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
-#: Rows fetched from the server-side cursor per round trip (and bytes written per chunk, about).
+#: Most rows fetched from a server-side cursor per round trip (and written per chunk).
 FETCH_ROWS = 1000
+#: Bytes (about) of a chunk written, and of the rows held for it: a page of events near their
+#: 100 KiB cap is fetched a few rows at a time, a page of small ones FETCH_ROWS at a time; a chunk
+#: holds at least one row.
+CHUNK_BYTES = 1 << 20
+#: Rows a snapshot source fetches per round trip: its rows' sizes are not known ahead (a message
+#: may hold 256 KiB of content and 64 KiB of payload), so this bounds what three sources hold.
+SNAPSHOT_FETCH_ROWS = 64
 #: Seconds one chunk may take to reach the client before the stream is cut off.
 WRITE_TIMEOUT = 30.0
 #: Seconds a request waits for a free export slot before it is answered 503 (retry later).
@@ -193,14 +200,6 @@ def _abort(request: web.Request) -> None:
         transport.abort()
 
 
-async def _rows(cursor: Any) -> AsyncIterator[list[Any]]:
-    while True:
-        rows = await cursor.fetch(FETCH_ROWS)
-        if not rows:
-            return
-        yield rows
-
-
 # --- GET /corpus/changes.jsonl -----------------------------------------------------------------
 
 #: Head, earliest and the last sequence of the requested page, in the transaction's snapshot.
@@ -212,6 +211,10 @@ _PAGE_BOUNDS = (
 #: The stored envelopes as UTF-8 bytes, newline included: written out without decoding them.
 _PAGE = ("select convert_to(event || E'\\n', 'UTF8') from changes"
          " where sequence > $1 and sequence <= $2 order by sequence")
+#: The page's lines' sizes in bytes, in the same order (PostgreSQL knows a stored value's length
+#: without reading it), to plan fetches of at most CHUNK_BYTES before any row is read.
+_PAGE_SIZES = ("select octet_length(event) + 1 from changes"
+               " where sequence > $1 and sequence <= $2 order by sequence")
 
 
 async def changes(request: web.Request) -> web.StreamResponse:
@@ -238,17 +241,40 @@ async def changes(request: web.Request) -> web.StreamResponse:
             "X-Corpus-Earliest": str(bounds["earliest"]),
             "Link": f'<{CHANGES_PATH}?{urlencode(query)}>; rel="next"',
         }
-        response = await _start(request, headers)
-        if last is not None and request.method != "HEAD":
-            cursor = await conn.cursor(_PAGE, after, last)
-            await _pump(request, response, _page_chunks(cursor))
-        else:
+        if last is None or request.method == "HEAD":
+            response = await _start(request, headers)
             await delivered(request, response)
+            return response
+        # Everything that can still fail before the first line is asked before the status line goes
+        # out: past it, a failure can only cut the connection.
+        plan = fetch_plan([row[0] for row in await conn.fetch(_PAGE_SIZES, after, last)])
+        cursor = await conn.cursor(_PAGE, after, last)
+        response = await _start(request, headers)
+        await _pump(request, response, _page_chunks(cursor, plan))
     return response
 
 
-async def _page_chunks(cursor: Any) -> AsyncIterator[bytes]:
-    async for batch in _rows(cursor):
+def fetch_plan(sizes: Sequence[int]) -> list[int]:
+    """Rows per fetch for lines of ``sizes`` bytes, in order: at most :data:`FETCH_ROWS`, and no more
+    than fit in :data:`CHUNK_BYTES`, but at least one."""
+    plan: list[int] = []
+    count = taken = 0
+    for size in sizes:
+        if count and (count == FETCH_ROWS or taken + size > CHUNK_BYTES):
+            plan.append(count)
+            count = taken = 0
+        count += 1
+        taken += size
+    if count:
+        plan.append(count)
+    return plan
+
+
+async def _page_chunks(cursor: Any, plan: Sequence[int]) -> AsyncIterator[bytes]:
+    for count in plan:
+        batch = await cursor.fetch(count)
+        if not batch:
+            return
         yield b"".join(row[0] for row in batch)
 
 
@@ -290,7 +316,7 @@ class _Source:
 
     async def peek(self) -> Any | None:
         if self.at == len(self.rows) and not self.done:
-            self.rows, self.at = await self.cursor.fetch(FETCH_ROWS), 0
+            self.rows, self.at = await self.cursor.fetch(SNAPSHOT_FETCH_ROWS), 0
             self.done = not self.rows
         return None if self.done else self.rows[self.at]
 
@@ -301,8 +327,10 @@ class _Source:
 
 
 async def _snapshot_chunks(sources: list[_Source]) -> AsyncIterator[bytes]:
-    """The kinds' rows merged in (sequence, kind rank) order, about :data:`FETCH_ROWS` lines a chunk."""
+    """The kinds' rows merged in (sequence, kind rank) order, in chunks of about :data:`CHUNK_BYTES`
+    (or :data:`FETCH_ROWS` lines)."""
     chunk: list[bytes] = []
+    size = 0
     while True:
         best: _Source | None = None
         best_key: tuple[int, int] | None = None
@@ -312,10 +340,12 @@ async def _snapshot_chunks(sources: list[_Source]) -> AsyncIterator[bytes]:
                 best, best_key = source, (row["sequence"], source.rank)
         if best is None:
             break
-        chunk.append(best.line())
-        if len(chunk) >= FETCH_ROWS:
+        line = best.line()
+        chunk.append(line)
+        size += len(line)
+        if len(chunk) >= FETCH_ROWS or size >= CHUNK_BYTES:
             yield b"".join(chunk)
-            chunk = []
+            chunk, size = [], 0
     if chunk:
         yield b"".join(chunk)
 
@@ -330,12 +360,14 @@ async def snapshot(request: web.Request) -> web.StreamResponse:
         at = await conn.fetchval(_SNAPSHOT_HEAD)  # the first statement fixes the transaction's snapshot
         headers = {**identity_headers(corpus_id, lineage), "X-Corpus-At": str(at),
                    "Link": f'<{CHANGES_PATH}?{urlencode({"after": at, "lineage": lineage})}>; rel="next"'}
-        response = await _start(request, headers)
         if request.method == "HEAD":
+            response = await _start(request, headers)
             await delivered(request, response)
             return response
+        # The cursors are opened before the status line goes out (see changes()).
         sources = [_Source(rank, kind, await conn.cursor(query), build)
                    for rank, (kind, query, build) in enumerate(_SNAPSHOT_SOURCES)]
+        response = await _start(request, headers)
         await _pump(request, response, _snapshot_chunks(sources))
     return response
 
