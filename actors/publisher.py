@@ -22,8 +22,9 @@ and moves the cursor on that same connection: if it drops, the publisher stops p
 Emits: events on its corpus's exchange ``tm.events.<corpus_id>`` (:mod:`protocol.routing`), which it
 declares and binds into ``tm.events`` with ``#`` before its first publish, so that ``tm.events`` still carries every event of
 every corpus sharing the broker; at least once each. Every event carries its corpus headers; an
-envelope in the history that names another corpus or lineage than the publisher's identity stops
-the publisher (it is never published under this corpus's name). A publisher whose node failed the
+envelope in the history that names another corpus or lineage than the publisher's identity, or
+that does not decode, stops the publisher at that change (it is never published under this
+corpus's name), once every change before it is published and the cursor is past them. A publisher whose node failed the
 corpus identity check publishes nothing. A publisher that dies between a confirm and the
 cursor update, or loses its lock mid-window, leaves events that the next active one publishes
 again; consumers deduplicate on the sequence (the notification hub does).
@@ -43,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
@@ -102,6 +103,14 @@ _READ_CHANGES = ("select sequence, event, trace_id from changes where sequence >
 # Never backwards: a cursor only records what was confirmed, whoever wrote it.
 _ADVANCE_CURSOR = ("update publisher_cursor set sequence = $1, updated_at = now() "
                    "where sequence < $1")
+class _Ready(NamedTuple):
+    """A change read from the history and found publishable: its event, trace id and stored text."""
+
+    event: ChangeEvent
+    trace_id: str | None
+    stored: str
+
+
 class PublisherError(ToastMachineError):
     """A change in the history cannot be published (its stored envelope does not decode)."""
 
@@ -241,8 +250,9 @@ class EventPublisher(Actor):
                 if session.lost.is_set():
                     raise LockLost("the publisher's database session closed")
                 continue
-            for start in range(0, len(rows), self.window):
-                window = rows[start:start + self.window]
+            ready = self._publishable_prefix(rows)
+            for start in range(0, len(ready), self.window):
+                window = ready[start:start + self.window]
                 confirmed, error = await self._guard(session, self._publish_window(cursor, window))
                 if confirmed is not None:
                     await self._guard(session, conn.execute(_ADVANCE_CURSOR, confirmed))
@@ -265,11 +275,26 @@ class EventPublisher(Actor):
                 if self._stop_requested.is_set():
                     break
 
-    async def _publish_window(self, after: int, rows: list[Any]) -> tuple[int | None, BaseException | None]:
-        """Publish ``rows`` (the changes after ``after``) concurrently, and their hub batch beside
+    def _publishable_prefix(self, rows: list[Any]) -> list[_Ready]:
+        """``rows`` decoded, up to the first change that cannot be published: that one raises
+        PublisherError only when it comes first, so every change before it is published (and the
+        cursor moved past them) before the publisher stops at it."""
+        ready: list[_Ready] = []
+        for row in rows:
+            try:
+                event = self._decode(row)
+            except PublisherError:
+                if not ready:
+                    raise
+                break
+            ready.append(_Ready(event, row["trace_id"], row["event"]))
+        return ready
+
+    async def _publish_window(self, after: int, window: list[_Ready]) -> tuple[int | None, BaseException | None]:
+        """Publish ``window`` (the changes after ``after``) concurrently, and their hub batch beside
         them; return the highest sequence of the confirmed prefix and the first failure (None when
         all were confirmed)."""
-        events = [(self._decode(row), row["trace_id"]) for row in rows]
+        events = [(item.event, item.trace_id) for item in window]
         assert self.scope is not None
         if not self._exchange_ready:
             # Also here: the publisher starts (and stands by) while the broker is down, and a failed
@@ -278,8 +303,7 @@ class EventPublisher(Actor):
             if failed is not None:
                 return None, failed
         # The stored text, not the decoded event: the hubs hand subscribers the history's own bytes.
-        changes = [[event.sequence, event.type, event.partition, row["event"]]
-                   for (event, _), row in zip(events, rows, strict=True)]
+        changes = [[item.event.sequence, item.event.type, item.event.partition, item.stored] for item in window]
         *results, hub_result = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
                                                     self._send_hub_batches(after, changes), return_exceptions=True)
         if isinstance(hub_result, BusError):

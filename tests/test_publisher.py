@@ -273,6 +273,29 @@ async def test_a_window_past_a_mebibyte_reaches_the_hubs_in_parts_each_below_it(
     assert [c[0] for m in messages for c in m.changes] == [r["sequence"] for r in rows]
 
 
+async def test_a_change_that_cannot_be_published_stops_the_publisher_after_the_ones_before_it(stack: Stack) -> None:
+    """A stored envelope that does not decode (a damaged history) stops the publisher at that
+    change, loudly; the changes before it in the same read and window are published first and the
+    cursor moves past them, so integrators are not held back by a change they come after."""
+    from actors.publisher import PublisherError
+
+    received, _ = await bind_queue(stack.bus, "#")
+    await write_some(stack, 3)
+    good = [r["sequence"] for r in await history(stack.db)]
+    author = (await stack.db.pool.fetchrow("select author_id from changes order by sequence limit 1"))["author_id"]
+    poison = await stack.db.pool.fetchval(
+        "insert into changes (sequence, type, partition, conversation_id, author_id, occurred_at, event) "
+        "values (nextval('change_sequence'), 'message.appended', 0, gen_random_uuid(), $1, now(), '{\"x\": 1}') "
+        "returning sequence", author)
+    async with running(EventPublisher(stack.bus, stack.db, identity=stack.identity, node_id="t-poison",
+                                      poll_interval=60, window=100, batch_size=200)) as publisher:
+        error = await asyncio.wait_for(publisher.crashed(), WAIT)
+    assert isinstance(error, PublisherError) and f"change {poison} cannot be published" in str(error)
+    await received.until(lambda r: len(r.deliveries) >= len(good), "the changes before the damaged one")
+    assert received.sequences == good
+    assert await read_cursor(stack.db) == good[-1]
+
+
 async def test_polling_picks_up_changes_when_no_notification_comes(stack: Stack) -> None:
     async with stack.db.acquire() as conn:
         await conn.execute("alter table changes disable trigger changes_notify_publisher")
