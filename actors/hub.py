@@ -267,6 +267,8 @@ class NotificationHub:
         self.scope = scope
         self.heartbeat = heartbeat
         self._ticker: asyncio.Task[None] | None = None
+        #: The ticker's check for a lost last batch, while one runs (see _tick).
+        self._tail_check: asyncio.Task[None] | None = None
         self.queue_spec = QueueSpec(name=f"tm.hub.{node_id}.{uuid.uuid4().hex[:8]}", kind=QueueKind.NODE)
         #: The queue's name as declared (None before :meth:`start`).
         self.queue_name: str | None = None
@@ -331,11 +333,18 @@ class NotificationHub:
                     sub.tick()
             quiet = self.batches == self._batches_seen
             self._batches_seen = self.batches
-            if quiet and self._subscribers and not self._filling:
-                try:
-                    await self._check_tail()
-                except Exception:  # the ticker is also the heartbeat: it must go on
-                    log.exception("hub.tail_check_failed")
+            checking = self._tail_check is not None and not self._tail_check.done()
+            if quiet and self._subscribers and not self._filling and not checking:
+                # A task of its own, not awaited here: the ticker is also every stream's heartbeat
+                # and stuck-write watchdog, and a database that stops answering (a partition: no
+                # error, no answer) must not stop those with it.
+                self._tail_check = asyncio.create_task(self._check_tail_logged(), name="hub-tail-check")
+
+    async def _check_tail_logged(self) -> None:
+        try:
+            await self._check_tail()
+        except Exception:
+            log.exception("hub.tail_check_failed")
 
     async def _check_tail(self) -> None:
         """Read what the publisher published but no batch brought (see the module docstring)."""
@@ -372,11 +381,12 @@ class NotificationHub:
             self._users -= 1
             return
         self._users = 0
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-            self._ticker = None
+        for task in (self._ticker, self._tail_check):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._ticker = self._tail_check = None
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.drain(1.0)

@@ -455,3 +455,47 @@ async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the
         await through.close(timeout=5)
         await direct.close()
         await proxy.down()
+
+
+async def test_a_database_that_stops_answering_does_not_stop_the_streams_heartbeats(
+        bus: Bus, database_url: str) -> None:
+    """The notification hub's ticker is every stream's heartbeat and stuck-write watchdog, and on a
+    quiet corpus it also asks the database for the publisher's cursor (a lost last batch). Through
+    a real partition (a TCP hop that drops everything while the connection stays open) that
+    question gets no answer: the heartbeats must go on regardless, and the check resumes after."""
+    from urllib.parse import urlsplit
+
+    from actors.hub import HEARTBEAT, NotificationHub
+    from infra.db import apply_migrations, ensure_identity
+    from tests.tcp_proxy import TcpProxy
+
+    server = urlsplit(database_url)
+    proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
+    await proxy.up()
+    direct = await Database.connect(database_url, min_size=1, max_size=2)
+    through = await Database.connect(database_url.replace(server.netloc, f"{server.netloc.rpartition('@')[0]}"
+                                                                         f"@127.0.0.1:{proxy.port}"),
+                                     min_size=1, max_size=2)
+    try:
+        await apply_migrations(direct)
+        identity = await ensure_identity(direct, None, None)
+        hub = NotificationHub(bus, through, scope=identity.scope, node_id="partitioned", heartbeat=0.1)
+        await hub.start()
+        try:
+            async with hub.subscribe() as sub:
+                proxy.freeze()
+                beats = 0
+                async with asyncio.timeout(10):
+                    while beats < 20:  # 2 s of heartbeats: many tail checks would have hung by now
+                        items = await sub.take(100)
+                        assert items is not None
+                        beats += sum(item == HEARTBEAT for item in items)
+                assert not sub.closed
+                proxy.thaw()
+        finally:
+            proxy.thaw()
+            await hub.close()
+    finally:
+        await through.close(timeout=5)
+        await direct.close()
+        await proxy.down()
