@@ -330,7 +330,11 @@ class NotificationHub:
                 if start:
                     await asyncio.sleep(0)
                 for sub in subscribers[start:start + FANOUT_SLICE]:
-                    sub.tick()
+                    try:
+                        sub.tick()
+                    except Exception:  # as in _fan_out: one stream must not end the ticker for all
+                        log.exception("hub.tick_failed")
+                        sub.cut_off()
             quiet = self.batches == self._batches_seen
             self._batches_seen = self.batches
             checking = self._tail_check is not None and not self._tail_check.done()
@@ -557,7 +561,13 @@ class NotificationHub:
         assert batch is not None
         end = self._pass_at = start + FANOUT_SLICE
         for sub in left[start:end]:
-            sub.offer_many(batch)
+            try:
+                sub.offer_many(batch)
+            except Exception:
+                # One stream's failure (its sink, its socket) must not leave the pass unfinished,
+                # which would stop every other stream of the node for good.
+                log.exception("hub.offer_failed")
+                sub.cut_off()
         loop = asyncio.get_running_loop()
         if end < len(left):
             loop.call_soon(self._fan_out)
