@@ -317,6 +317,32 @@ async def test_restore_refuses_a_non_empty_database_and_a_tampered_archive(
     assert segment_key(archived.lineage, 0, 1, 1, Stream.PRIVATE).startswith(f"{archived.lineage}/private/")
 
 
+async def test_two_restores_into_one_database_at_once_one_wins_and_the_other_is_refused(
+        db: Database, database_server: str, tmp_path: Path) -> None:
+    """Two operators (or a retry) restoring into the same empty database at the same time: one
+    restores, the other waits for it and is refused as into a non-empty database, with the
+    refusal the CLI reports, not a unique-key error from the database."""
+    from toastmachine.seed import seed_corpus
+
+    await seed_corpus(db, messages=12, agents=3, random_seed=5)
+    store = ArchiveStore.local(tmp_path / "archive")
+    archived = await archive_database(db, store)
+    async with fresh_database(database_server) as dsn:
+        target = await Database.connect(dsn, min_size=2, max_size=4)
+        try:
+            await apply_migrations(target)
+            outcomes = await asyncio.gather(
+                *(restore_archive(StoreSource(store), archived.lineage, target, trusted=archived.key.verifier())
+                  for _ in range(2)), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BaseException)]
+            assert len(refused) == 1 and isinstance(refused[0], RestoreRefused), outcomes
+            assert "not empty" in str(refused[0])
+            assert await target.pool.fetchval("select count(*) from corpus_witness") == 1
+            assert await target.pool.fetchval("select count(*) from changes") == archived.size
+        finally:
+            await target.close()
+
+
 async def test_a_restore_whose_signing_key_is_lost_records_none_and_signs_anew(
         db: Database, database_server: str, tmp_path: Path) -> None:
     """By default a restore records the archive's key, and an archiver with another one is

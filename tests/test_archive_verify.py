@@ -72,6 +72,34 @@ async def test_a_faithful_archive_verifies_against_the_database(db: Database, st
     assert (await _verify(db, store, archived, pinned=False)).to_json()["archive"]["key_source"].startswith("archive")
 
 
+async def test_an_archive_with_more_checkpoints_than_a_walk_reads_still_verifies_and_restores(
+        db: Database, store: ArchiveStore, database_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archiver publishes a checkpoint per sealed segment, so a long-lived archive holds more than
+    a walk reads (MAX_CHECKPOINTS, lowered here to 2): the newest are checked, the older ones are
+    counted as skipped, and that is no finding: the archive still verifies and restores (it used to
+    fail both once past 10,000 checkpoints, about a week of a steady trickle of writes)."""
+    from actors.recovery import walk
+    from actors.recovery.restore import restore_archive
+    from infra.db import apply_migrations
+    from tests.db_fixtures import fresh_database
+
+    archived = await _archived(db, store)
+    monkeypatch.setattr(walk, "MAX_CHECKPOINTS", 2)
+    report = await _verify(db, store, archived)
+    assert report.ok, report.to_json()
+    body = report.to_json()["archive"]
+    assert (body["checkpoints_checked"], body["checkpoints_skipped"]) == (2, len(archived.segments) - 2)
+    async with fresh_database(database_server) as dsn:
+        target = await Database.connect(dsn, min_size=1, max_size=2)
+        try:
+            await apply_migrations(target)
+            restored = await restore_archive(StoreSource(store), archived.lineage, target,
+                                             trusted=archived.key.verifier())
+            assert restored.restored_through == archived.size
+        finally:
+            await target.close()
+
+
 async def test_the_database_ahead_of_the_archive_is_lag_not_failure(db: Database, store: ArchiveStore) -> None:
     archived = await _archived(db, store)
     added = await seed_corpus(db, messages=3, agents=2, random_seed=8)

@@ -198,6 +198,10 @@ async def restore_archive(source: ArchiveSource, lineage: uuid.UUID, db: Target,
     if new_lineage == lineage:
         raise RestoreRefused("a restored history needs a fresh lineage, not its parent's")
     async with connection(db) as conn, conn.transaction():
+        # Another restore into the same database (or a node creating its witness) waits here until
+        # this one ends, then finds the database taken and is refused by the check below, instead
+        # of failing on the witness's key after reading the whole archive.
+        await conn.execute("lock table corpus_witness in exclusive mode")
         await _refuse_unless_empty(conn)
         walk = ArchiveWalk(source, lineage, trusted=trusted)
         if not await walk.open() or walk.findings:
