@@ -596,6 +596,13 @@ async def test_consent_csrf_and_deny(front: Front) -> None:
             forged = await attacker.post(front.base + "/consent", data={**fields, "action": "approve",
                                                                          "mode": "create", "name": "forged"})
         assert forged.status_code == 403 and forged.json()["error"]["code"] == "csrf_failed"
+        # A token that is not ASCII is refused the same way (it once reached compare_digest as a
+        # str, which raises on anything but ASCII: a 500), with the cookie or without it.
+        for cookies in ({}, {"tm_consent_csrf": "x"}):
+            async with httpx.AsyncClient(cookies=cookies) as attacker:
+                odd = await attacker.post(front.base + "/consent", data={**fields, "csrf": "é", "action": "approve",
+                                                                         "mode": "create", "name": "forged"})
+            assert odd.status_code == 403 and odd.json()["error"]["code"] == "csrf_failed", odd.text
         assert await front.db.pool.fetchval("select count(*) from agents where name = 'forged'") == 0
         denied = await http.post(front.base + "/consent", data={**fields, "action": "deny"})
         assert denied.status_code == 303

@@ -494,6 +494,27 @@ async def test_write_tools_keep_the_agents_admission_budget(stack: Stack) -> Non
         assert await mcp.changes() == before
 
 
+async def test_one_operation_token_string_names_one_write_on_both_fronts(stack: Stack) -> None:
+    """An operation token is the idempotency key exactly as written, over HTTP and MCP alike: a
+    write made over HTTP with an uppercase UUID token and retried through the MCP tool with the
+    same token string is a replay (MCP used to rewrite it into the lowercase form, another key, and
+    write the message twice); another spelling of the same UUID is another token, as over HTTP."""
+    s = await _seed(stack)
+    token = str(uuid.uuid4()).upper()
+    body = {"content": "written once across fronts"}
+    first = await stack.post(s["alice"], f"/conversations/{s['cid']}/messages", body, token=token)
+    assert first.status == 201, first.body
+    async with connect(stack, s["alice"]) as mcp:
+        again = await mcp.ok("append_message", conversation_id=s["cid"], content=body["content"],
+                             operation_token=token)
+        assert again["message"]["id"] == first.body["message"]["id"]
+        other = await mcp.ok("append_message", conversation_id=s["cid"], content=body["content"],
+                             operation_token=token.lower())
+        assert other["message"]["id"] != first.body["message"]["id"]
+    assert await stack.db.pool.fetchval(
+        "select count(*) from messages where content = $1", body["content"]) == 2
+
+
 @pytest.mark.stack_env(TOASTMACHINE_WRITES_PER_SECOND="0.5")
 async def test_an_http_replay_on_the_same_node_consumes_no_admission(stack: Stack) -> None:
     """The shared write submission's rule, seen from the HTTP front (it was refused 429 before)."""

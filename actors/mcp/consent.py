@@ -108,7 +108,8 @@ class ConsentPage:
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         handle, csrf = fields.get("request", ""), fields.get("csrf", "")
         cookie = request.cookies.get(CSRF_COOKIE, "")
-        if not handle or not csrf or not hmac.compare_digest(csrf, cookie) or not await self.store.check_csrf(
+        # As bytes: compare_digest refuses a str holding anything but ASCII (a 500, not a 403).
+        if not handle or not csrf or not hmac.compare_digest(csrf.encode(), cookie.encode()) or not await self.store.check_csrf(
                 handle, csrf):
             log.warning("oauth.consent_csrf_refused")
             return _error(Forbidden("The consent form did not come from this page.", code="csrf_failed",

@@ -165,13 +165,16 @@ def _budgeted(listing: queries.Listing, max_bytes: int, position: Callable[[dict
 
 
 def _operation_token(value: str) -> str:
-    """The MCP rule: an operation_token is a UUID (canonical form is the idempotency key)."""
+    """The MCP rule: an operation_token is a UUID. It is the idempotency key exactly as written, as
+    an HTTP ``Operation-Token`` is: a write retried on the other front with the same token string is
+    a replay, never a second write (so no spelling is rewritten into another)."""
     try:
-        return str(uuid.UUID(value))
+        uuid.UUID(value)
     except (ValueError, TypeError, AttributeError):
         raise BadRequest("operation_token must be a UUID.", code="invalid_operation_token",
                          extra={"field": "operation_token"},
                          how_to_proceed="Call get_operation_token and pass its operation_token.") from None
+    return value
 
 
 @dataclass(frozen=True, slots=True)
