@@ -18,7 +18,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from infra.client_address import TrustedProxies
-from infra.redact import redact_url
+from infra.redact import hidden_userinfo, redact_url
 from protocol.checkpoint import CheckpointError, parse_signer_key
 from protocol.errors import ConfigError
 from protocol.manifest import PAGE_SEGMENTS
@@ -233,13 +233,23 @@ _IGNORED = {"TOASTMACHINE_TEST_AMQP_URL", "TOASTMACHINE_TEST_DATABASE_URL", "TOA
             "TOASTMACHINE_REQUIRE_SERVICES"}
 
 
+#: What to do about a password holding a character that ends a URL's user-info part.
+_ENCODE_PASSWORD = ("percent-encode any '/', '?', '#' or '@' in its user name or password "
+                    "(e.g. '/' as %2F, '#' as %23)")
+
+
 def _url(*schemes: str) -> Callable[[str, str], str]:
     def parse(var: str, raw: str) -> str:
+        # Neither the value nor the parser's message is echoed: a password holding '/', '?' or '#'
+        # ends the URL's authority early, and its pieces then show up as a "port" or a path.
+        if hidden_userinfo(raw):
+            raise ConfigError(f"{var} is not a valid URL: its '@' comes after a '/', '?' or '#'; {_ENCODE_PASSWORD}")
         try:
             parts = urlsplit(raw)
             parts.port  # noqa: B018 - raises for a port outside 0-65535, which connect() would hit later
-        except ValueError as e:
-            raise ConfigError(f"{var} is not a valid URL: {e}") from None
+        except ValueError:
+            raise ConfigError(f"{var} is not a valid URL (its host or port does not parse); "
+                              f"{_ENCODE_PASSWORD}") from None
         if parts.scheme not in schemes:
             # The value itself is not echoed (it may hold a password); its scheme is enough to see the mistake.
             got = f"scheme {parts.scheme!r}" if parts.scheme and "://" in raw else "a value without a scheme (no '://')"

@@ -16,10 +16,26 @@ from urllib.parse import unquote, urlsplit
 SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
 
+def hidden_userinfo(url: str) -> bool:
+    """Whether ``url`` has an ``@`` past the end of its authority while its authority has none: the
+    sign of a password holding an unencoded ``/``, ``?`` or ``#`` (``postgresql://tm:ab/cd@db/tm``),
+    which URL parsers read as a port or a path, so that no password is found to hide."""
+    _, sep, rest = url.partition("://")
+    if not sep:
+        return False
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    # An empty authority (``postgresql:///db?user=a@b``) has no password to lose.
+    return 0 < end and "@" not in rest[:end] and "@" in rest[end:]
+
+
 def redact_url(url: str) -> str:
     """Replace the password of a URL with ***: in its user-info part and in a secret query
     parameter (its name percent-encoded too; its value up to the next ``&``, as the drivers split
-    it). The rest is left as written."""
+    it). The rest is left as written. A URL whose password holds an unencoded ``/``, ``?`` or ``#``
+    (:func:`hidden_userinfo`) has everything from ``://`` to its last ``@`` replaced."""
+    if hidden_userinfo(url):
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.rpartition('@')[2]}"
     parts = urlsplit(url)
     out = url
     if parts.password is not None:
@@ -42,8 +58,9 @@ def _spelled(name: str) -> str:
     return "".join(f"(?:{re.escape(c)}|%{ord(c.lower()):02x}|%{ord(c.upper()):02x})" for c in name)
 
 
-#: A URL's password (``scheme://user:password@``), wherever a line holds one.
-_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@/]+@")
+#: A URL's password (``scheme://user:password@``), wherever a line holds one; up to the ``@`` even
+#: past a ``/``, ``?`` or ``#`` (a password holding one unencoded: see :func:`hidden_userinfo`).
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@]*:)[^\s@]+@")
 #: A secret query parameter, wherever a line holds one (its value up to ``&``, ``#``, a space or a quote).
 _SECRET_PARAMETER = re.compile(
     r"(?P<name>[?&](?:" + "|".join(_spelled(n) for n in sorted(SECRET_PARAMETERS)) + r")=)[^&#\s'\"]*",

@@ -97,16 +97,39 @@ def test_redaction_hides_passwords() -> None:
     "postgresql://db/tm?ssl%70ass%77ord=hunter2&a=1",
     "postgresql://db/tm?%50ASSWORD=hunter2",  # an upper-case letter encoded
     "amqp://guest:hunter2@mq:5672/",
+    "postgresql://tm:5432/hunter2@db/tm",  # a password holding an unencoded '/', read as a port and a path
+    "amqp://guest:hun#ter2@mq/",
 ])
 def test_a_log_line_and_a_url_hide_the_same_passwords(url: str) -> None:
     """The log formatter's last guard (redact_line, on a whole line holding the URL among other
     words and quotes) hides every password redact_url hides, from the one list of names."""
-    assert "hunter2" not in redact_url(url)
+    assert "hunter2" not in redact_url(url) and "hun#ter2" not in redact_url(url)
     for line in (f"connect to {url} failed", f"dsn='{url}' refused", f'{{"url": "{url}"}}'):
         redacted = redact_line(line)
-        assert "hunter2" not in redacted, line
+        assert "hunter2" not in redacted and "hun#ter2" not in redacted, line
         assert redacted.startswith(line[:8])  # the words around it stay
     assert redact_line("application_name=password and ?passwords=x") == "application_name=password and ?passwords=x"
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("TOASTMACHINE_DATABASE_URL", "postgresql://tm:S3cr#etpw@db/tm"),
+    ("TOASTMACHINE_DATABASE_URL", "postgresql://tm:5432/Zx9secret@127.0.0.1/tm"),
+    ("TOASTMACHINE_DATABASE_URL", "postgresql://tm:ab?cd9secret@db/tm"),
+    ("TOASTMACHINE_AMQP_URL", "amqp://guest:gu#est9secret@localhost/"),
+    ("TOASTMACHINE_DATABASE_URL", "postgresql://tm:pw@db:99999/tm"),
+])
+def test_a_url_whose_password_ends_its_authority_is_refused_without_a_piece_of_it(var: str, value: str) -> None:
+    """A password holding an unencoded '/', '?' or '#' ends the URL's authority early: its pieces
+    used to come back in the error as a "port" (S3cr), or pass as a port and a path and then be shown
+    whole by doctor and the start-up line. It is refused, saying to percent-encode, quoting nothing."""
+    with pytest.raises(ConfigError) as info:
+        Settings.from_env({var: value})
+    text = str(info.value)
+    assert var in text and "percent-encode" in text
+    for piece in ("S3cr", "etpw", "Zx9", "secret", "gu", "est9", "pw@", "99999"):
+        assert piece not in text, (piece, text)
+    # A URL with no authority may hold an '@' in its query (libpq's user=...): accepted as before.
+    assert Settings.from_env({"TOASTMACHINE_DATABASE_URL": "postgresql:///tm?user=a@b"}).database_url
 
 
 def test_cli_stops_with_the_variable_name(tmp_path: Path) -> None:
