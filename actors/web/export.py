@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
 from urllib.parse import urlencode
 
@@ -50,11 +50,15 @@ log = get_logger("toastmachine.actors.web.export")
 JSONL = "application/x-ndjson"
 DEFAULT_LIMIT = 1000
 MAX_LIMIT = 10_000
-#: Most rows fetched from a server-side cursor per round trip (and written per chunk).
+#: Most rows read per round trip (and written per chunk).
 FETCH_ROWS = 1000
+#: Rows of a page's first fetch, before any of its lines' sizes is known (at most 6.4 MB).
+FIRST_FETCH_ROWS = 64
 #: Bytes (about) of a chunk written, and of the rows held for it: a page of events near their
-#: 100 KiB cap is fetched a few rows at a time, a page of small ones FETCH_ROWS at a time; a chunk
-#: holds at least one row.
+#: 100 KiB cap is read ten rows at a time, a page of small ones FETCH_ROWS at a time. Each fetch
+#: is sized from the longest line of the one before (planning from the lines' stored sizes first
+#: cost a fifth of the export's speed): a page whose lines jump from small to large between two
+#: fetches is the one case that holds up to FETCH_ROWS large lines.
 CHUNK_BYTES = 1 << 20
 #: Rows a snapshot source fetches per round trip: its rows' sizes are not known ahead (a message
 #: may hold 256 KiB of content and 64 KiB of payload), so this bounds what three sources hold.
@@ -211,10 +215,6 @@ _PAGE_BOUNDS = (
 #: The stored envelopes as UTF-8 bytes, newline included: written out without decoding them.
 _PAGE = ("select convert_to(event || E'\\n', 'UTF8') from changes"
          " where sequence > $1 and sequence <= $2 order by sequence")
-#: The page's lines' sizes in bytes, in the same order (PostgreSQL knows a stored value's length
-#: without reading it), to plan fetches of at most CHUNK_BYTES before any row is read.
-_PAGE_SIZES = ("select octet_length(event) + 1 from changes"
-               " where sequence > $1 and sequence <= $2 order by sequence")
 
 
 async def changes(request: web.Request) -> web.StreamResponse:
@@ -247,35 +247,25 @@ async def changes(request: web.Request) -> web.StreamResponse:
             return response
         # Everything that can still fail before the first line is asked before the status line goes
         # out: past it, a failure can only cut the connection.
-        plan = fetch_plan([row[0] for row in await conn.fetch(_PAGE_SIZES, after, last)])
+        # Opened before the status line goes out: past it, a failure can only cut the connection.
         cursor = await conn.cursor(_PAGE, after, last)
         response = await _start(request, headers)
-        await _pump(request, response, _page_chunks(cursor, plan))
+        await _pump(request, response, _page_chunks(cursor))
     return response
 
 
-def fetch_plan(sizes: Sequence[int]) -> list[int]:
-    """Rows per fetch for lines of ``sizes`` bytes, in order: at most :data:`FETCH_ROWS`, and no more
-    than fit in :data:`CHUNK_BYTES`, but at least one."""
-    plan: list[int] = []
-    count = taken = 0
-    for size in sizes:
-        if count and (count == FETCH_ROWS or taken + size > CHUNK_BYTES):
-            plan.append(count)
-            count = taken = 0
-        count += 1
-        taken += size
-    if count:
-        plan.append(count)
-    return plan
-
-
-async def _page_chunks(cursor: Any, plan: Sequence[int]) -> AsyncIterator[bytes]:
-    for count in plan:
-        batch = await cursor.fetch(count)
-        if not batch:
+async def _page_chunks(cursor: Any) -> AsyncIterator[bytes]:
+    """The page's lines, one chunk per fetch: :data:`FIRST_FETCH_ROWS` first, then as many as the
+    longest line of the fetch before fits :data:`CHUNK_BYTES` times (at least one, at most
+    :data:`FETCH_ROWS`)."""
+    count = FIRST_FETCH_ROWS
+    while True:
+        rows = await cursor.fetch(count)
+        if not rows:
             return
-        yield b"".join(row[0] for row in batch)
+        lines = [row[0] for row in rows]
+        count = max(1, min(FETCH_ROWS, CHUNK_BYTES // max(map(len, lines))))
+        yield b"".join(lines)
 
 
 # --- GET /corpus/snapshot.jsonl ----------------------------------------------------------------
