@@ -398,19 +398,12 @@ async def test_postgres_stopped_mid_load_answers_only_503_and_loses_nothing(
             await server.stop()
 
 
-async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the_writer_recovers(
-        bus: Bus, database_url: str) -> None:
-    """A real partition between the writer and PostgreSQL (a TCP hop that drops everything while the
-    connection stays open): a batch caught in it is abandoned after the writer's batch timeout and
-    its command answered 503 ``database_unavailable``, instead of holding the worker (and every
-    command behind it) for ever; once the network is back, the same token is applied exactly once."""
+@contextlib.asynccontextmanager
+async def _partitionable_database(database_url: str) -> AsyncIterator[tuple[Any, Database, Database]]:
+    """(proxy, direct, through): two pools on ``database_url``, the second through a TCP hop whose
+    ``freeze()`` is a real partition (the connections stay open, nothing gets through)."""
     from urllib.parse import urlsplit
 
-    from actors.writer import CorpusWriter
-    from infra.bus.base import COMMANDS_EXCHANGE
-    from infra.db import apply_migrations, ensure_identity
-    from protocol.commands import WriteCommand, WriteResult
-    from protocol.messages import ErrorReply
     from tests.tcp_proxy import TcpProxy
 
     server = urlsplit(database_url)
@@ -421,6 +414,27 @@ async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the
                                                                          f"@127.0.0.1:{proxy.port}"),
                                      min_size=1, max_size=2)
     try:
+        yield proxy, direct, through
+    finally:
+        proxy.thaw()
+        await through.close(timeout=5)
+        await direct.close()
+        await proxy.down()
+
+
+async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the_writer_recovers(
+        bus: Bus, database_url: str) -> None:
+    """A real partition between the writer and PostgreSQL (a TCP hop that drops everything while the
+    connection stays open): a batch caught in it is abandoned after the writer's batch timeout and
+    its command answered 503 ``database_unavailable``, instead of holding the worker (and every
+    command behind it) for ever; once the network is back, the same token is applied exactly once."""
+    from actors.writer import CorpusWriter
+    from infra.bus.base import COMMANDS_EXCHANGE
+    from infra.db import apply_migrations, ensure_identity
+    from protocol.commands import WriteCommand, WriteResult
+    from protocol.messages import ErrorReply
+
+    async with _partitionable_database(database_url) as (proxy, direct, through):
         await apply_migrations(direct)
         identity = await ensure_identity(direct, None, None)
         author = uuid.uuid4()
@@ -451,10 +465,6 @@ async def test_a_database_that_stops_answering_mid_batch_is_answered_503_and_the
         finally:
             proxy.thaw()
             await writer.stop(grace=2)
-    finally:
-        await through.close(timeout=5)
-        await direct.close()
-        await proxy.down()
 
 
 async def test_a_database_that_stops_answering_does_not_stop_the_streams_heartbeats(
@@ -463,20 +473,10 @@ async def test_a_database_that_stops_answering_does_not_stop_the_streams_heartbe
     quiet corpus it also asks the database for the publisher's cursor (a lost last batch). Through
     a real partition (a TCP hop that drops everything while the connection stays open) that
     question gets no answer: the heartbeats must go on regardless, and the check resumes after."""
-    from urllib.parse import urlsplit
-
     from actors.hub import HEARTBEAT, NotificationHub
     from infra.db import apply_migrations, ensure_identity
-    from tests.tcp_proxy import TcpProxy
 
-    server = urlsplit(database_url)
-    proxy = TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
-    await proxy.up()
-    direct = await Database.connect(database_url, min_size=1, max_size=2)
-    through = await Database.connect(database_url.replace(server.netloc, f"{server.netloc.rpartition('@')[0]}"
-                                                                         f"@127.0.0.1:{proxy.port}"),
-                                     min_size=1, max_size=2)
-    try:
+    async with _partitionable_database(database_url) as (proxy, direct, through):
         await apply_migrations(direct)
         identity = await ensure_identity(direct, None, None)
         hub = NotificationHub(bus, through, scope=identity.scope, node_id="partitioned", heartbeat=0.1)
@@ -495,7 +495,3 @@ async def test_a_database_that_stops_answering_does_not_stop_the_streams_heartbe
         finally:
             proxy.thaw()
             await hub.close()
-    finally:
-        await through.close(timeout=5)
-        await direct.close()
-        await proxy.down()
