@@ -103,6 +103,8 @@ _READ_CHANGES = ("select sequence, event, trace_id from changes where sequence >
 # Never backwards: a cursor only records what was confirmed, whoever wrote it.
 _ADVANCE_CURSOR = ("update publisher_cursor set sequence = $1, updated_at = now() "
                    "where sequence < $1")
+
+
 class _Ready(NamedTuple):
     """A change read from the history and found publishable: its event, trace id and stored text."""
 
@@ -294,7 +296,6 @@ class EventPublisher(Actor):
         """Publish ``window`` (the changes after ``after``) concurrently, and their hub batch beside
         them; return the highest sequence of the confirmed prefix and the first failure (None when
         all were confirmed)."""
-        events = [(item.event, item.trace_id) for item in window]
         assert self.scope is not None
         if not self._exchange_ready:
             # Also here: the publisher starts (and stands by) while the broker is down, and a failed
@@ -304,7 +305,7 @@ class EventPublisher(Actor):
                 return None, failed
         # The stored text, not the decoded event: the hubs hand subscribers the history's own bytes.
         changes = [[item.event.sequence, item.event.type, item.event.partition, item.stored] for item in window]
-        *results, hub_result = await asyncio.gather(*(self._send(event, trace) for event, trace in events),
+        *results, hub_result = await asyncio.gather(*(self._send(item.event, item.trace_id) for item in window),
                                                     self._send_hub_batches(after, changes), return_exceptions=True)
         if isinstance(hub_result, BusError):
             # The window is retried whole (its events too: at least once allows it): a lost batch is
@@ -313,12 +314,12 @@ class EventPublisher(Actor):
         if isinstance(hub_result, BaseException):
             raise hub_result
         confirmed: int | None = None
-        for (event, _), result in zip(events, results, strict=True):
+        for item, result in zip(window, results, strict=True):
             if isinstance(result, BusError):
                 return confirmed, result
             if isinstance(result, BaseException):
                 raise result
-            confirmed = event.sequence
+            confirmed = item.event.sequence
         return confirmed, None
 
     async def _declare(self) -> BusError | None:

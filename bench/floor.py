@@ -160,11 +160,6 @@ async def measure_publish(amqp_url: str, count: int, event_bytes: int, window: i
         await connection.close()
 
 
-def cpu_ms(result: Round, group: str) -> float:
-    """CPU-milliseconds of ``group`` per accepted operation of ``result``."""
-    return 1000 * result.cpu.get(group, 0.0) / result.rate if result.latencies else float("nan")
-
-
 def cpus() -> int:
     """CPUs this process may run on (the machine's budget)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -35,6 +35,10 @@ class Round:
     def rate(self) -> float:
         return len(self.latencies) / self.elapsed
 
+    def cpu_ms(self, group: str) -> float:
+        """CPU-milliseconds of process ``group`` per accepted write."""
+        return 1000 * self.cpu.get(group, 0.0) / self.rate if self.latencies else math.nan
+
     def percentile_ms(self, q: float) -> float:
         ordered = sorted(self.latencies)
         return 1000 * ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else math.nan

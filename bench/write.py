@@ -558,11 +558,7 @@ CPU_GROUPS = ("web", "writer", "publisher", "bench", "postgres", "rabbitmq", "ma
 def cpu_line(rounds: list[Round]) -> str:
     """CPU-milliseconds per accepted write of each process group (median of the rounds)."""
     names = [n for n in CPU_GROUPS if any(n in r.cpu for r in rounds)]
-
-    def per_write(r: Round, name: str) -> float:
-        return 1000 * r.cpu.get(name, 0.0) / r.rate if r.latencies else math.nan
-
-    return ", ".join(f"{n} {statistics.median(per_write(r, n) for r in rounds):.2f}" for n in names)
+    return ", ".join(f"{n} {median(rounds, lambda r, n=n: r.cpu_ms(n)):.2f}" for n in names)
 
 
 @contextlib.contextmanager
@@ -648,7 +644,7 @@ class Report:
     def print_floor(self) -> None:
         """The stack's floor (bench/floor.py) against the CPU budget of the (b) target on this machine."""
         def ms(rounds: list[Round], group: str) -> float:
-            return median(rounds, lambda r: floor.cpu_ms(r, group))
+            return median(rounds, lambda r: r.cpu_ms(group))
 
         http_server, http_client = ms(self.http_floor, "server"), ms(self.http_floor, "bench")
         publisher, broker = ms(self.publish_floor, "bench"), ms(self.publish_floor, "rabbitmq")

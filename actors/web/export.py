@@ -57,7 +57,7 @@ FIRST_FETCH_ROWS = 64
 #: Bytes (about) of a chunk written, and of the rows held for it: a page of events near their
 #: 100 KiB cap is read ten rows at a time, a page of small ones FETCH_ROWS at a time. Each fetch
 #: is sized from the longest line of the one before (planning from the lines' stored sizes first
-#: cost a fifth of the export's speed): a page whose lines jump from small to large between two
+#: cost a quarter of the export's speed): a page whose lines jump from small to large between two
 #: fetches is the one case that holds up to FETCH_ROWS large lines.
 CHUNK_BYTES = 1 << 20
 #: Rows a snapshot source fetches per round trip: its rows' sizes are not known ahead (a message
@@ -245,8 +245,6 @@ async def changes(request: web.Request) -> web.StreamResponse:
             response = await _start(request, headers)
             await delivered(request, response)
             return response
-        # Everything that can still fail before the first line is asked before the status line goes
-        # out: past it, a failure can only cut the connection.
         # Opened before the status line goes out: past it, a failure can only cut the connection.
         cursor = await conn.cursor(_PAGE, after, last)
         response = await _start(request, headers)

@@ -358,19 +358,18 @@ async def _serve(request: web.Request, after: int | None, filters: _Filters, cor
                 break
         else:
             await out.error("slow_consumer")
-        await _finish(request, response)
     except ConnectionError:
         log.info("stream.client_gone", last=out.last)  # nothing to answer: the client left
+        return response
     except asyncio.CancelledError:
         raise  # the client left (aiohttp cancels the handler: see infra/http_server.py) or the node is stopping
     except TimeoutError:
         log.info("stream.client_stuck", last=out.last)
         await out.error("slow_consumer")
-        await _finish(request, response)
     except Exception:
         log.exception("stream.failed", last=out.last)
         await out.error("internal_error")
-        await _finish(request, response)
+    await _finish(request, response)
     return response
 
 
